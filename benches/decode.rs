@@ -1,0 +1,73 @@
+//! Decode throughput benchmarks (criterion): protobuf `CacheEvent` and a vLLM msgpack
+//! `BlockStored` batch, reported as events/s. Target: ≥ 1 M events/s per core.
+
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use kvindex::event::detect::DecodeOptions;
+use kvindex::event::{
+    BlockContent, EngineHash, Envelope, Event, EventKind, PartitionKey, decode_payload, encode,
+};
+use std::hint::black_box;
+
+const BLOCKS: u64 = 16;
+const BLOCK_SIZE: u32 = 16;
+
+/// A typical PREFIX_ADDED: 16 block hashes with the tokens of 16-token blocks.
+fn typical_stored(i: u64) -> Event {
+    let mut ev = Event::new(
+        EventKind::Stored,
+        "vllm-0",
+        PartitionKey::new("acme", "llama-3-8b", ""),
+    );
+    ev.block_hashes = (0..BLOCKS)
+        .map(|b| EngineHash((i * BLOCKS + b).wrapping_mul(0x9e37_79b9_7f4a_7c15)))
+        .collect();
+    ev.parent_hash = Some(EngineHash(i));
+    ev.content = BlockContent::Tokens {
+        token_ids: (0..BLOCKS as u32 * BLOCK_SIZE)
+            .map(|t| (t * 7919) % 128_000)
+            .collect(),
+        block_size: BLOCK_SIZE,
+    };
+    ev.timestamp_us = 1_767_225_600_250_000;
+    ev.seq = i;
+    ev
+}
+
+fn bench_decode(c: &mut Criterion) {
+    let opts = DecodeOptions {
+        vllm: kvindex::event::VllmOptions {
+            model: Some("llama-3-8b".into()),
+            tenant: "acme".into(),
+            ..Default::default()
+        },
+        ..DecodeOptions::default()
+    };
+    let env = Envelope {
+        engine: Some("vllm-0"),
+        ..Envelope::default()
+    };
+    let mut group = c.benchmark_group("decode");
+
+    let proto = encode::to_proto(&[typical_stored(1)]);
+    group.throughput(Throughput::Elements(1));
+    group.bench_function("proto_cache_event", |b| {
+        b.iter(|| decode_payload(black_box(&proto), &env, &opts))
+    });
+
+    const BATCH: u64 = 16;
+    let events: Vec<Event> = (0..BATCH).map(typical_stored).collect();
+    let vllm = encode::to_vllm(&events, 0);
+    group.throughput(Throughput::Elements(BATCH));
+    group.bench_function("vllm_block_stored_batch16", |b| {
+        b.iter(|| decode_payload(black_box(&vllm), &env, &opts))
+    });
+
+    let json = encode::to_json(&events);
+    group.bench_function("json_batch16", |b| {
+        b.iter(|| decode_payload(black_box(&json), &env, &opts))
+    });
+    group.finish();
+}
+
+criterion_group!(benches, bench_decode);
+criterion_main!(benches);

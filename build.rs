@@ -1,0 +1,7 @@
+//! Build script: compiles `proto/kvindex/v1/events.proto` with prost-build into
+//! `$OUT_DIR/kvindex.v1.rs`, which `src/event/proto.rs` includes as `pb`.
+
+fn main() -> std::io::Result<()> {
+    println!("cargo:rerun-if-changed=proto/kvindex/v1/events.proto");
+    prost_build::Config::new().compile_protos(&["proto/kvindex/v1/events.proto"], &["proto"])
+}

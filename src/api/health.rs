@@ -1,0 +1,36 @@
+//! Probes and scraping: `GET /healthz` (liveness), `GET /readyz` (readiness: sources caught up)
+//! and `GET /metrics` (Prometheus text exposition).
+
+use super::AppState;
+use axum::Json;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde_json::{Value, json};
+use std::sync::atomic::Ordering::Acquire;
+
+/// Content type of the Prometheus text format 0.0.4.
+pub const PROMETHEUS_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// Alive as long as the server answers.
+pub async fn healthz() -> Json<Value> {
+    Json(json!({ "status": "ok" }))
+}
+
+/// 200 `{"ready": true}` once `state.ready` is set; before that 503 with a `reason` and, when
+/// the sources report one, their `lag`.
+pub async fn readyz(State(state): State<AppState>) -> Response {
+    if state.ready.load(Acquire) {
+        return Json(json!({ "ready": true })).into_response();
+    }
+    let mut body = json!({ "ready": false, "reason": "sources have not caught up yet" });
+    if let Some(lag) = (state.sources)().get("lag") {
+        body["lag"] = lag.clone();
+    }
+    (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response()
+}
+
+pub async fn metrics(State(state): State<AppState>) -> Response {
+    let text = state.metrics.render(&state.index.stats());
+    ([(header::CONTENT_TYPE, PROMETHEUS_CONTENT_TYPE)], text).into_response()
+}

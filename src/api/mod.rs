@@ -1,0 +1,127 @@
+//! The HTTP read API (axum): the router over [`AppState`], the server entry point [`serve`],
+//! and request tracing. Handlers live in the submodules; `schemas/openapi.yaml` documents every
+//! route and `tests/api.rs` checks the two agree.
+
+pub mod error;
+pub mod health;
+pub mod lookup;
+pub mod request;
+pub mod stats;
+
+use crate::index::Index;
+use crate::metrics::Metrics;
+use axum::Router;
+use axum::extract::{DefaultBodyLimit, Request};
+use axum::middleware::{self, Next};
+use axum::response::Response;
+use axum::routing::{get, post};
+use axum::serve::ListenerExt;
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::time::Instant;
+
+/// Default of [`AppState::max_body_bytes`]: 1 MiB.
+pub const DEFAULT_MAX_BODY_BYTES: usize = 1 << 20;
+/// Default of [`AppState::default_block_size`] (vLLM's default).
+pub const DEFAULT_BLOCK_SIZE: u32 = 16;
+
+/// Every (method, path) the router serves, in the order of [`router`]. `GET` routes answer
+/// `HEAD` too. Kept by hand in step with [`router`]; `tests/api.rs` checks each is served and
+/// that the OpenAPI document lists exactly these.
+pub const ROUTES: &[(&str, &str)] = &[
+    ("POST", "/v1/lookup"),
+    ("GET", "/v1/engines"),
+    ("GET", "/v1/stats"),
+    ("GET", "/healthz"),
+    ("GET", "/readyz"),
+    ("GET", "/metrics"),
+];
+
+/// What every handler shares. Cheap to clone.
+#[derive(Clone)]
+pub struct AppState {
+    pub index: Arc<Index>,
+    pub metrics: Arc<Metrics>,
+    /// Set true once sources have caught up (the sources issue drives it); /readyz reads it.
+    pub ready: Arc<AtomicBool>,
+    /// Block size for token lookups when neither the request nor learned model block size gives one.
+    pub default_block_size: u32,
+    /// Extra JSON merged into /v1/stats under "sources" (filled by the sources issue later); a
+    /// closure so it is computed per request. A `"lag"` member is also shown by /readyz.
+    pub sources: Arc<dyn Fn() -> serde_json::Value + Send + Sync>,
+    /// Max request body bytes (default 1 MiB).
+    pub max_body_bytes: usize,
+}
+
+impl AppState {
+    /// A state with the defaults: not ready, [`DEFAULT_BLOCK_SIZE`], sources `{}`,
+    /// [`DEFAULT_MAX_BODY_BYTES`].
+    pub fn new(index: Arc<Index>, metrics: Arc<Metrics>) -> AppState {
+        AppState {
+            index,
+            metrics,
+            ready: Arc::new(AtomicBool::new(false)),
+            default_block_size: DEFAULT_BLOCK_SIZE,
+            sources: Arc::new(|| serde_json::json!({})),
+            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+        }
+    }
+}
+
+/// The API router. Unknown paths get a JSON 404 and known paths with another method a JSON 405
+/// (with `Allow`); bodies over `max_body_bytes` get a JSON 413.
+pub fn router(state: AppState) -> Router {
+    let body_limit = state.max_body_bytes;
+    Router::new()
+        .route("/v1/lookup", post(lookup::lookup))
+        .route("/v1/engines", get(stats::engines))
+        .route("/v1/stats", get(stats::stats))
+        .route("/healthz", get(health::healthz))
+        .route("/readyz", get(health::readyz))
+        .route("/metrics", get(health::metrics))
+        .method_not_allowed_fallback(error::method_not_allowed)
+        .fallback(error::not_found)
+        .layer(DefaultBodyLimit::max(body_limit))
+        .layer(middleware::from_fn(trace))
+        .with_state(state)
+}
+
+/// Serves the API on `listener` until `shutdown` completes, then drains in-flight requests.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    state: AppState,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    if let Ok(addr) = listener.local_addr() {
+        tracing::info!(%addr, "HTTP API listening");
+    }
+    // Small request/response exchanges on keep-alive connections: don't let Nagle delay them.
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "could not set TCP_NODELAY");
+        }
+    });
+    axum::serve(listener, router(state))
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+/// Logs method, path, status and latency of every request at debug level.
+async fn trace(req: Request, next: Next) -> Response {
+    if !tracing::enabled!(tracing::Level::DEBUG) {
+        return next.run(req).await;
+    }
+    let start = Instant::now();
+    let method = req.method().clone();
+    let path = req.uri().path().to_owned();
+    let res = next.run(req).await;
+    tracing::debug!(
+        %method,
+        path,
+        status = res.status().as_u16(),
+        latency_us = start.elapsed().as_micros() as u64,
+        "http request"
+    );
+    res
+}

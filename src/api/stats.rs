@@ -1,0 +1,164 @@
+//! `GET /v1/stats` (index, event and lookup counters plus the sources' own report) and
+//! `GET /v1/engines` (every engine the index knows, merged over shards).
+
+use super::AppState;
+use crate::event::{PartitionKey, Tier};
+use crate::index::EngineInfo;
+use axum::Json;
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use serde::Serialize;
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::Ordering::Relaxed;
+
+#[derive(Serialize)]
+pub struct Partition<'a> {
+    pub tenant: &'a str,
+    pub model: &'a str,
+    pub adapter: &'a str,
+}
+
+impl<'a> From<&'a PartitionKey> for Partition<'a> {
+    fn from(k: &'a PartitionKey) -> Self {
+        Partition {
+            tenant: &k.tenant,
+            model: &k.model,
+            adapter: &k.adapter,
+        }
+    }
+}
+
+/// Blocks by tier, keyed by [`Tier::as_str`] names.
+#[derive(Serialize)]
+#[serde(rename_all = "UPPERCASE")]
+pub struct TierCounts {
+    pub gpu: u64,
+    pub cpu: u64,
+    pub disk: u64,
+}
+
+#[derive(Serialize)]
+pub struct EngineRow<'a> {
+    pub engine_id: &'a str,
+    pub blocks: u64,
+    pub blocks_by_tier: TierCounts,
+    pub partitions: Vec<Partition<'a>>,
+    /// Distinct adapter names of `partitions` (`""` is the base model), sorted.
+    pub adapters: Vec<&'a str>,
+    pub last_seen_us: i64,
+}
+
+impl<'a> From<&'a EngineInfo> for EngineRow<'a> {
+    fn from(e: &'a EngineInfo) -> Self {
+        let tier = |t: Tier| e.blocks_by_tier[t as usize];
+        let adapters: BTreeSet<&str> = e.partitions.iter().map(|p| p.adapter.as_str()).collect();
+        EngineRow {
+            engine_id: &e.engine_id,
+            blocks: e.blocks,
+            blocks_by_tier: TierCounts {
+                gpu: tier(Tier::Gpu),
+                cpu: tier(Tier::Cpu),
+                disk: tier(Tier::Disk),
+            },
+            partitions: e.partitions.iter().map(Partition::from).collect(),
+            adapters: adapters.into_iter().collect(),
+            last_seen_us: e.last_seen_us,
+        }
+    }
+}
+
+#[derive(Serialize)]
+struct EnginesResponse<'a> {
+    engines: Vec<EngineRow<'a>>,
+}
+
+// Bodies borrow from locals, so they are serialized here (`Json::into_response` serializes
+// eagerly) rather than returned as `Json<T>`.
+pub async fn engines(State(state): State<AppState>) -> Response {
+    let engines = state.index.engines();
+    Json(&EnginesResponse {
+        engines: engines.iter().map(EngineRow::from).collect(),
+    })
+    .into_response()
+}
+
+#[derive(Serialize)]
+struct PartitionRow<'a> {
+    #[serde(flatten)]
+    key: Partition<'a>,
+    block_entries: u64,
+    memberships: u64,
+}
+
+#[derive(Serialize)]
+struct IndexSection<'a> {
+    shards: usize,
+    partitions: Vec<PartitionRow<'a>>,
+    block_entries: u64,
+    memberships: u64,
+    engines: usize,
+    l1_bytes: usize,
+    /// `null` while the index is empty.
+    l1_bytes_per_membership: Option<f64>,
+}
+
+#[derive(Serialize)]
+struct EventsSection {
+    applied: BTreeMap<&'static str, u64>,
+    applied_total: u64,
+    block_ops: u64,
+    malformed: BTreeMap<&'static str, u64>,
+    skipped: BTreeMap<&'static str, u64>,
+}
+
+#[derive(Serialize)]
+struct LookupsSection {
+    total: u64,
+    errors: u64,
+}
+
+#[derive(Serialize)]
+struct StatsResponse<'a> {
+    index: IndexSection<'a>,
+    events: EventsSection,
+    lookups: LookupsSection,
+    sources: serde_json::Value,
+}
+
+pub async fn stats(State(state): State<AppState>) -> Response {
+    let s = state.index.stats();
+    let m = &state.metrics;
+    let body = StatsResponse {
+        index: IndexSection {
+            shards: s.shards,
+            partitions: s
+                .partitions
+                .iter()
+                .map(|p| PartitionRow {
+                    key: Partition::from(&p.key),
+                    block_entries: p.block_entries,
+                    memberships: p.memberships,
+                })
+                .collect(),
+            block_entries: s.block_entries,
+            memberships: s.memberships,
+            engines: s.engines,
+            l1_bytes: s.l1_bytes,
+            l1_bytes_per_membership: (s.memberships > 0)
+                .then(|| s.l1_bytes as f64 / s.memberships as f64),
+        },
+        events: EventsSection {
+            applied: m.applied(),
+            applied_total: m.applied_total(),
+            block_ops: m.block_ops.load(Relaxed),
+            malformed: m.malformed(),
+            skipped: m.skipped(),
+        },
+        lookups: LookupsSection {
+            total: m.lookups.load(Relaxed),
+            errors: m.lookup_errors.load(Relaxed),
+        },
+        sources: (state.sources)(),
+    };
+    Json(&body).into_response()
+}

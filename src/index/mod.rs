@@ -1,0 +1,280 @@
+//! The index: N shards of block memberships behind read-write locks, the shard routing rule,
+//! and the lookup that merges shards into one answer.
+//!
+//! Shard choice: an event goes to the shard of `hash(tenant, model, engine)`. Sharding by the
+//! partition key alone (as DESIGN.md first sketched) leaves every core but one idle in the
+//! common single-model, no-LoRA deployment; keying by engine spreads even one partition over
+//! all shards. Leaving the adapter out keeps every adapter partition of one engine's
+//! (tenant, model) in one shard, so the adapter-agnostic events (`ALL_CLEARED`, unscoped
+//! evictions) also have exactly one shard to go to, in source order, with no broadcast; and
+//! each engine's chains and hash maps live in one shard, so parents resolve locally. A lookup
+//! reads every shard (their engine sets are disjoint) and concatenates.
+
+pub mod hash;
+pub mod holders;
+pub mod shard;
+pub mod table;
+
+pub use shard::{RawMatch, Shard, SkipReason};
+
+use crate::event::{EngineHash, Event, PartitionKey, Tier};
+use parking_lot::RwLock;
+use std::collections::{BTreeMap, BTreeSet};
+
+/// Index-wide settings.
+#[derive(Clone, Debug)]
+pub struct IndexConfig {
+    /// Number of shards (and shard workers).
+    pub shards: usize,
+    /// Seed of every chain hash; all kvindex replicas that share answers must share it.
+    pub seed: u64,
+}
+
+impl Default for IndexConfig {
+    fn default() -> Self {
+        IndexConfig {
+            shards: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            seed: 0x6b76_696e_6465_7831,
+        }
+    }
+}
+
+/// The blocks of a lookup query.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum QueryBlocks {
+    /// Token ids; every full block of `block_size` is keyed like a stored token chain.
+    Tokens {
+        token_ids: Vec<u32>,
+        block_size: u32,
+    },
+    /// Raw producer hashes, as hash-only producers store them.
+    Hashes(Vec<EngineHash>),
+    /// Content digests, keyed like a stored digest chain (trace replays).
+    Digests(Vec<u64>),
+}
+
+/// One engine in a lookup answer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EngineMatch {
+    pub engine_id: String,
+    pub matched_blocks: u32,
+    pub tier: Tier,
+}
+
+/// Counts of one partition, summed over shards.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PartitionStats {
+    pub key: PartitionKey,
+    /// Distinct blocks per shard, summed: a block held by engines on two shards counts once in
+    /// each (shards split engines, not blocks). With one shard: distinct blocks.
+    pub block_entries: u64,
+    pub memberships: u64,
+}
+
+/// One engine as `/v1/engines` shows it, merged over shards.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct EngineInfo {
+    pub engine_id: String,
+    pub blocks: u64,
+    pub blocks_by_tier: [u64; 3],
+    /// (tenant, model, adapter) partitions the engine stored into.
+    pub partitions: BTreeSet<PartitionKey>,
+    pub last_seen_us: i64,
+}
+
+/// Index-wide counts.
+#[derive(Clone, Debug, Default)]
+pub struct IndexStats {
+    pub shards: usize,
+    /// See [`PartitionStats::block_entries`].
+    pub block_entries: u64,
+    pub memberships: u64,
+    pub engines: usize,
+    pub l1_bytes: usize,
+    pub partitions: Vec<PartitionStats>,
+}
+
+/// The sharded in-memory index. Cheap to share behind an `Arc`.
+pub struct Index {
+    shards: Vec<RwLock<Shard>>,
+    config: IndexConfig,
+    /// Block size each (tenant, model) was last seen storing token chains with, so token
+    /// lookups need not name it. Written only when it changes, so the read path stays cheap.
+    block_sizes: RwLock<hashbrown::HashMap<(String, String), u32>>,
+}
+
+impl Index {
+    pub fn new(config: IndexConfig) -> Index {
+        let n = config.shards.max(1);
+        Index {
+            shards: (0..n)
+                .map(|_| RwLock::new(Shard::new(config.seed)))
+                .collect(),
+            config: IndexConfig {
+                shards: n,
+                ..config
+            },
+            block_sizes: RwLock::new(hashbrown::HashMap::new()),
+        }
+    }
+
+    /// Remembers the block size a token-carrying event of (tenant, model) used.
+    pub fn learn_block_size(&self, ev: &Event) {
+        let crate::event::BlockContent::Tokens { block_size, .. } = &ev.content else {
+            return;
+        };
+        let key = (ev.partition.tenant.clone(), ev.partition.model.clone());
+        if self.block_sizes.read().get(&key) == Some(block_size) {
+            return;
+        }
+        self.block_sizes.write().insert(key, *block_size);
+    }
+
+    /// The block size (tenant, model) stores token chains with, if any event told us.
+    pub fn block_size(&self, tenant: &str, model: &str) -> Option<u32> {
+        self.block_sizes
+            .read()
+            .get(&(tenant.to_string(), model.to_string()))
+            .copied()
+    }
+
+    pub fn config(&self) -> &IndexConfig {
+        &self.config
+    }
+
+    pub fn shard_count(&self) -> usize {
+        self.shards.len()
+    }
+
+    /// Direct access to one shard's lock (for shard workers and the replay bench).
+    pub fn shard(&self, i: usize) -> &RwLock<Shard> {
+        &self.shards[i]
+    }
+
+    /// The shard `ev` goes to (see module docs).
+    pub fn route(&self, ev: &Event) -> usize {
+        shard_of(&ev.partition, &ev.engine, self.shards.len())
+    }
+
+    /// Applies one event synchronously on the calling thread (tests, tools). The service
+    /// applies through the pipeline's shard workers instead.
+    pub fn apply(&self, ev: &Event, now_us: i64) -> Result<usize, SkipReason> {
+        self.shards[self.route(ev)].write().apply(ev, now_us)
+    }
+
+    /// The block keys `blocks` names in `partition`.
+    pub fn query_keys(&self, partition: &PartitionKey, blocks: &QueryBlocks) -> Vec<u64> {
+        let seed = hash::partition_seed(self.config.seed, partition);
+        let mut keys = Vec::new();
+        match blocks {
+            QueryBlocks::Tokens {
+                token_ids,
+                block_size,
+            } => hash::token_chain_keys(seed, token_ids, *block_size as usize, &mut keys),
+            QueryBlocks::Hashes(hashes) => keys.extend(hashes.iter().map(|h| hash::raw(seed, h.0))),
+            QueryBlocks::Digests(d) => hash::chain_keys(seed, d.iter().copied(), &mut keys),
+        }
+        keys
+    }
+
+    /// Engines holding the longest runs of leading `keys`, sorted by `matched_blocks`
+    /// descending, then `engine_id` ascending.
+    pub fn lookup_keys(&self, keys: &[u64]) -> Vec<EngineMatch> {
+        let mut rows = Vec::new();
+        let mut raw = Vec::new();
+        for s in &self.shards {
+            raw.clear();
+            let shard = s.read();
+            shard.lookup(keys, &mut raw);
+            rows.extend(raw.iter().map(|m| EngineMatch {
+                engine_id: shard.engine_name(m.engine).to_string(),
+                matched_blocks: m.matched,
+                tier: m.tier,
+            }));
+        }
+        rows.sort_unstable_by(|a, b| {
+            b.matched_blocks
+                .cmp(&a.matched_blocks)
+                .then_with(|| a.engine_id.cmp(&b.engine_id))
+        });
+        rows
+    }
+
+    /// [`Index::query_keys`] then [`Index::lookup_keys`].
+    pub fn lookup(
+        &self,
+        partition: &PartitionKey,
+        blocks: &QueryBlocks,
+    ) -> (usize, Vec<EngineMatch>) {
+        let keys = self.query_keys(partition, blocks);
+        let rows = self.lookup_keys(&keys);
+        (keys.len(), rows)
+    }
+
+    pub fn stats(&self) -> IndexStats {
+        let mut stats = IndexStats {
+            shards: self.shards.len(),
+            ..IndexStats::default()
+        };
+        let mut partitions: BTreeMap<PartitionKey, PartitionStats> = BTreeMap::new();
+        let mut engines = BTreeSet::new();
+        for s in &self.shards {
+            let shard = s.read();
+            stats.block_entries += shard.blocks();
+            stats.memberships += shard.memberships();
+            stats.l1_bytes += shard.memory_bytes();
+            for p in shard.partitions() {
+                let e = partitions
+                    .entry(p.key.clone())
+                    .or_insert_with(|| PartitionStats {
+                        key: p.key.clone(),
+                        ..PartitionStats::default()
+                    });
+                e.block_entries += p.blocks;
+                e.memberships += p.memberships;
+            }
+            engines.extend(shard.engines().iter().map(|e| e.name.clone()));
+        }
+        stats.engines = engines.len();
+        stats.partitions = partitions.into_values().collect();
+        stats
+    }
+
+    /// Every engine, merged over shards, sorted by id.
+    pub fn engines(&self) -> Vec<EngineInfo> {
+        let mut merged: BTreeMap<String, EngineInfo> = BTreeMap::new();
+        for s in &self.shards {
+            let shard = s.read();
+            for e in shard.engines() {
+                let info = merged.entry(e.name.clone()).or_insert_with(|| EngineInfo {
+                    engine_id: e.name.clone(),
+                    ..EngineInfo::default()
+                });
+                info.blocks += e.blocks_held();
+                for (t, c) in e.tier_counts.iter().enumerate() {
+                    info.blocks_by_tier[t] += c;
+                }
+                info.partitions.extend(
+                    e.partition_ids()
+                        .map(|p| shard.partitions()[p as usize].key.clone()),
+                );
+                info.last_seen_us = info.last_seen_us.max(e.last_seen_us);
+            }
+        }
+        merged.into_values().collect()
+    }
+}
+
+/// The shard of `engine`'s events in `partition`'s (tenant, model), among `n`. The adapter is
+/// deliberately not part of it (see module docs).
+pub fn shard_of(partition: &PartitionKey, engine: &str, n: usize) -> usize {
+    if n <= 1 {
+        return 0;
+    }
+    let mut h = xxhash_rust::xxh3::Xxh3Default::new();
+    for part in [partition.tenant.as_str(), partition.model.as_str(), engine] {
+        h.update(&(part.len() as u32).to_le_bytes());
+        h.update(part.as_bytes());
+    }
+    (h.digest() % n as u64) as usize
+}

@@ -1,0 +1,713 @@
+//! One shard of the in-memory index (L1): block memberships, the per-engine hash maps that
+//! resolve removals, and the longest-prefix lookup.
+//!
+//! A shard is plain single-threaded Rust on owned data: the pipeline serializes writes to it
+//! and lookups read it under a read lock. Everything an event changes is an *assignment* of a
+//! (block, engine) membership, so replaying a suffix of the log onto a newer state converges.
+
+use super::hash::{self, U64Map};
+use super::holders::{
+    DenseBits, EngineIdx, Holders, MAX_ENGINES, SetOutcome, should_be_dense, should_stay_dense,
+};
+use super::table::KeyTable;
+use crate::event::{BlockContent, EngineHash, Event, EventKind, PartitionKey, Tier};
+use smallvec::SmallVec;
+use std::cell::RefCell;
+
+/// Why a well-formed event could not be applied. Each is counted by `reason()` and logged.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SkipReason {
+    #[error("unknown event type {0}")]
+    UnknownType(i32),
+    #[error(
+        "parent hash {0:#x} was never stored by this engine (or already removed): the chain cannot be keyed"
+    )]
+    UnknownParent(u64),
+    #[error("{tokens} token ids do not fill {blocks} blocks of {block_size}")]
+    TokenCountMismatch {
+        tokens: usize,
+        blocks: usize,
+        block_size: u32,
+    },
+    #[error("{digests} content digests for {blocks} blocks")]
+    DigestCountMismatch { digests: usize, blocks: usize },
+    #[error("token ids given with block_size 0")]
+    ZeroBlockSize,
+    #[error("shard holds the maximum number of engines")]
+    TooManyEngines,
+}
+
+impl SkipReason {
+    /// Stable label for `kvindex_events_skipped_total{reason=...}`.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            SkipReason::UnknownType(_) => "unknown_type",
+            SkipReason::UnknownParent(_) => "unknown_parent",
+            SkipReason::TokenCountMismatch { .. } => "token_count_mismatch",
+            SkipReason::DigestCountMismatch { .. } => "digest_count_mismatch",
+            SkipReason::ZeroBlockSize => "zero_block_size",
+            SkipReason::TooManyEngines => "too_many_engines",
+        }
+    }
+}
+
+/// One engine's row in a lookup answer, with shard-local engine id.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RawMatch {
+    pub engine: EngineIdx,
+    /// Length of the engine's longest run of leading query blocks.
+    pub matched: u32,
+    /// Tier of the last matched block on this engine.
+    pub tier: Tier,
+}
+
+/// Stats of one partition (tenant, model, adapter) within a shard.
+#[derive(Clone, Debug, Default)]
+pub struct PartitionState {
+    pub key: PartitionKey,
+    /// Seed of this partition's chains (see [`hash::partition_seed`]).
+    pub seed: u64,
+    pub blocks: u64,
+    pub memberships: u64,
+}
+
+/// What a shard knows about one engine.
+#[derive(Debug, Default)]
+pub struct EngineState {
+    pub name: String,
+    pub last_seen_us: i64,
+    /// Memberships held, by tier (`Tier as usize`).
+    pub tier_counts: [u64; 3],
+    /// Per partition the engine stored into: its engine hash → block key map. This resolves
+    /// removals that carry only engine hashes, and is the reverse index that makes
+    /// `ALL_CLEARED` cost the engine's own blocks rather than a scan of the shard.
+    parts: SmallVec<[(u32, KeyTable<u64>); 1]>,
+}
+
+impl EngineState {
+    fn part(&self, pid: u32) -> Option<&KeyTable<u64>> {
+        self.parts.iter().find(|(p, _)| *p == pid).map(|(_, m)| m)
+    }
+    /// Partition ids this engine stored into.
+    pub fn partition_ids(&self) -> impl Iterator<Item = u32> + '_ {
+        self.parts.iter().map(|(p, _)| *p)
+    }
+    pub fn blocks_held(&self) -> u64 {
+        self.tier_counts.iter().sum()
+    }
+}
+
+/// Block → holders, plus the bitsets of dense blocks. Split from [`Shard`] so membership updates
+/// can borrow it while an engine's hash map is borrowed too.
+#[derive(Default)]
+struct BlockTable {
+    /// Block key (partition-namespaced, see [`hash`]) → engines holding it.
+    blocks: KeyTable<Holders>,
+    /// Bitsets for blocks with many holders; see [`should_be_dense`].
+    dense: U64Map<DenseBits>,
+    memberships: u64,
+    /// Heap bytes of spilled holder lists and dense bitsets (the maps' own tables are measured
+    /// from their capacity).
+    heap_bytes: usize,
+}
+
+/// What adding one membership did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Added {
+    /// A new holder, and `new_block` says if the block itself is new.
+    Holder {
+        new_block: bool,
+    },
+    TierChanged(Tier),
+    Unchanged,
+}
+
+impl BlockTable {
+    #[inline]
+    fn add(&mut self, key: u64, engine: EngineIdx, tier: Tier, engine_count: usize) -> Added {
+        let (holders, new_block) = self.blocks.get_or_default(key);
+        let heap_before = holders.heap_bytes();
+        let outcome = holders.set(engine, tier);
+        let len = holders.len();
+        self.heap_bytes = self.heap_bytes + holders.heap_bytes() - heap_before;
+        if len >= 16 && outcome != SetOutcome::Unchanged {
+            if let Some(d) = self.dense.get_mut(&key) {
+                let before = d.heap_bytes();
+                d.set(engine, tier);
+                self.heap_bytes = self.heap_bytes + d.heap_bytes() - before;
+            } else if should_be_dense(len, engine_count) {
+                let d = DenseBits::from_holders(holders, engine_count);
+                self.heap_bytes += d.heap_bytes();
+                self.dense.insert(key, d);
+            }
+        }
+        match outcome {
+            SetOutcome::Added => {
+                self.memberships += 1;
+                Added::Holder { new_block }
+            }
+            SetOutcome::TierChanged(old) => Added::TierChanged(old),
+            SetOutcome::Unchanged => Added::Unchanged,
+        }
+    }
+
+    /// Removes one membership: the tier it had, and whether the block is now gone.
+    #[inline]
+    fn remove(&mut self, key: u64, engine: EngineIdx, engine_count: usize) -> Option<(Tier, bool)> {
+        let Some(slot) = self.blocks.slot(key) else {
+            // Key 0 has no slot (see KeyTable); it takes the general path.
+            let holders = self.blocks.get_mut(key)?;
+            let tier = holders.remove(engine)?;
+            self.memberships -= 1;
+            let gone = holders.is_empty();
+            if gone {
+                self.blocks.remove(key);
+            }
+            return Some((tier, gone));
+        };
+        let holders = self.blocks.at_mut(slot);
+        let heap_before = holders.heap_bytes();
+        let tier = holders.remove(engine)?;
+        let len = holders.len();
+        self.heap_bytes = self.heap_bytes + holders.heap_bytes() - heap_before;
+        self.memberships -= 1;
+        // Only blocks with 16+ holders keep bitsets; skip the probe for the rest.
+        if let Some(d) = (len + 1 >= 16).then(|| self.dense.get_mut(&key)).flatten() {
+            if should_stay_dense(len, engine_count) {
+                d.clear(engine);
+            } else {
+                self.heap_bytes -= d.heap_bytes();
+                self.dense.remove(&key);
+            }
+        }
+        let gone = len == 0;
+        if gone {
+            self.blocks.remove_slot(slot);
+        }
+        Some((tier, gone))
+    }
+}
+
+/// Scratch bitsets for one lookup, reused per thread so a lookup allocates nothing but its
+/// answer.
+#[derive(Default)]
+struct Bits {
+    held: Vec<u64>,
+    cpu: Vec<u64>,
+    disk: Vec<u64>,
+}
+
+impl Bits {
+    fn reset(&mut self, words: usize) {
+        for v in [&mut self.held, &mut self.cpu, &mut self.disk] {
+            v.clear();
+            v.resize(words, 0);
+        }
+    }
+
+    #[inline]
+    fn tier_at(&self, w: usize, bit: u64) -> Tier {
+        if self.cpu[w] & bit != 0 {
+            Tier::Cpu
+        } else if self.disk[w] & bit != 0 {
+            Tier::Disk
+        } else {
+            Tier::Gpu
+        }
+    }
+
+    /// Loads block 0's holders as the active set.
+    fn load(&mut self, holders: &Holders, dense: Option<&DenseBits>) {
+        match dense {
+            Some(d) => {
+                let n = d.words().min(self.held.len());
+                self.held[..n].copy_from_slice(&d.held()[..n]);
+                self.cpu[..n].copy_from_slice(&d.cpu()[..n]);
+                self.disk[..n].copy_from_slice(&d.disk()[..n]);
+            }
+            None => {
+                for h in holders.as_slice() {
+                    let e = h.engine() as usize;
+                    let (w, bit) = (e / 64, 1u64 << (e % 64));
+                    self.held[w] |= bit;
+                    match h.tier() {
+                        Tier::Gpu => {}
+                        Tier::Cpu => self.cpu[w] |= bit,
+                        Tier::Disk => self.disk[w] |= bit,
+                    }
+                }
+            }
+        }
+    }
+
+    /// `self = active ∩ holders`, with the tiers of `holders`. `self` must be zeroed.
+    #[inline]
+    fn intersect(&mut self, active: &Bits, holders: &Holders, dense: Option<&DenseBits>) -> bool {
+        let mut any = 0u64;
+        match dense {
+            Some(d) => {
+                let n = d.words().min(self.held.len());
+                for w in 0..n {
+                    let held = active.held[w] & d.held()[w];
+                    self.held[w] = held;
+                    self.cpu[w] = held & d.cpu()[w];
+                    self.disk[w] = held & d.disk()[w];
+                    any |= held;
+                }
+            }
+            None => {
+                for h in holders.as_slice() {
+                    let e = h.engine() as usize;
+                    let (w, bit) = (e / 64, 1u64 << (e % 64));
+                    if active.held[w] & bit != 0 {
+                        self.held[w] |= bit;
+                        any |= bit;
+                        match h.tier() {
+                            Tier::Gpu => {}
+                            Tier::Cpu => self.cpu[w] |= bit,
+                            Tier::Disk => self.disk[w] |= bit,
+                        }
+                    }
+                }
+            }
+        }
+        any != 0
+    }
+}
+
+#[derive(Default)]
+struct Scratch {
+    active: Bits,
+    next: Bits,
+}
+
+/// How many blocks ahead of the current one a loop prefetches table slots.
+const PREFETCH_AHEAD: usize = 8;
+
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+/// Pushes a row for every engine set in `held` (and not in `keep`, if given).
+#[inline]
+fn emit(active: &Bits, keep: Option<&Bits>, matched: u32, out: &mut Vec<RawMatch>) {
+    for w in 0..active.held.len() {
+        let mut dropped = active.held[w] & !keep.map_or(0, |k| k.held[w]);
+        while dropped != 0 {
+            let b = dropped.trailing_zeros();
+            let bit = 1u64 << b;
+            out.push(RawMatch {
+                engine: (w * 64) as u32 + b,
+                matched,
+                tier: active.tier_at(w, bit),
+            });
+            dropped &= dropped - 1;
+        }
+    }
+}
+
+/// One shard of the index. See the module docs.
+pub struct Shard {
+    /// Configured seed of every partition's chain.
+    seed: u64,
+    table: BlockTable,
+    engines: Vec<EngineState>,
+    engine_ids: hashbrown::HashMap<String, EngineIdx>,
+    partitions: Vec<PartitionState>,
+    partition_ids: hashbrown::HashMap<PartitionKey, u32>,
+    /// Reused buffer for a chain's block keys.
+    key_buf: Vec<u64>,
+}
+
+impl Shard {
+    pub fn new(seed: u64) -> Shard {
+        Shard {
+            seed,
+            table: BlockTable::default(),
+            engines: Vec::new(),
+            engine_ids: hashbrown::HashMap::new(),
+            partitions: Vec::new(),
+            partition_ids: hashbrown::HashMap::new(),
+            key_buf: Vec::new(),
+        }
+    }
+
+    /// Applies one event routed to this shard; returns the memberships it added or removed.
+    /// `now_us` stamps liveness when the event carries no timestamp.
+    pub fn apply(&mut self, ev: &Event, now_us: i64) -> Result<usize, SkipReason> {
+        let seen = if ev.timestamp_us > 0 {
+            ev.timestamp_us
+        } else {
+            now_us
+        };
+        match ev.kind {
+            EventKind::Stored => self.store(ev, seen),
+            EventKind::Removed => Ok(self.remove(ev, seen)),
+            EventKind::AllCleared => Ok(self.clear(ev, seen)),
+            EventKind::ReplicaUpdated => {
+                let eid = self.intern_engine(&ev.engine)?;
+                self.touch(eid, seen);
+                Ok(0)
+            }
+            EventKind::Unknown(t) => Err(SkipReason::UnknownType(t)),
+        }
+    }
+
+    fn touch(&mut self, eid: EngineIdx, seen_us: i64) {
+        let e = &mut self.engines[eid as usize];
+        e.last_seen_us = e.last_seen_us.max(seen_us);
+    }
+
+    fn intern_engine(&mut self, name: &str) -> Result<EngineIdx, SkipReason> {
+        if let Some(&id) = self.engine_ids.get(name) {
+            return Ok(id);
+        }
+        if self.engines.len() as u32 >= MAX_ENGINES {
+            return Err(SkipReason::TooManyEngines);
+        }
+        let id = self.engines.len() as EngineIdx;
+        self.engines.push(EngineState {
+            name: name.to_string(),
+            ..EngineState::default()
+        });
+        self.engine_ids.insert(name.to_string(), id);
+        Ok(id)
+    }
+
+    fn intern_partition(&mut self, key: &PartitionKey) -> u32 {
+        if let Some(&id) = self.partition_ids.get(key) {
+            return id;
+        }
+        let id = self.partitions.len() as u32;
+        self.partitions.push(PartitionState {
+            key: key.clone(),
+            seed: hash::partition_seed(self.seed, key),
+            blocks: 0,
+            memberships: 0,
+        });
+        self.partition_ids.insert(key.clone(), id);
+        id
+    }
+
+    /// The key the chain continues from: the partition seed for a root chain, else the key of
+    /// the parent block as this engine stored it.
+    fn chain_start(
+        &self,
+        eid: EngineIdx,
+        pid: u32,
+        parent: Option<EngineHash>,
+    ) -> Result<u64, SkipReason> {
+        match parent {
+            None => Ok(self.partitions[pid as usize].seed),
+            Some(p) => self.engines[eid as usize]
+                .part(pid)
+                .and_then(|m| m.get(p.0).copied())
+                .ok_or(SkipReason::UnknownParent(p.0)),
+        }
+    }
+
+    fn store(&mut self, ev: &Event, seen_us: i64) -> Result<usize, SkipReason> {
+        let eid = self.intern_engine(&ev.engine)?;
+        self.touch(eid, seen_us);
+        let pid = self.intern_partition(&ev.partition);
+        let n = ev.block_hashes.len();
+        let mut keys = std::mem::take(&mut self.key_buf);
+        keys.clear();
+        let keyed = match &ev.content {
+            BlockContent::HashesOnly => {
+                let seed = self.partitions[pid as usize].seed;
+                keys.extend(ev.block_hashes.iter().map(|h| hash::raw(seed, h.0)));
+                Ok(())
+            }
+            BlockContent::Tokens {
+                token_ids,
+                block_size,
+            } => {
+                if *block_size == 0 {
+                    Err(SkipReason::ZeroBlockSize)
+                } else if token_ids.len() != n * *block_size as usize {
+                    Err(SkipReason::TokenCountMismatch {
+                        tokens: token_ids.len(),
+                        blocks: n,
+                        block_size: *block_size,
+                    })
+                } else {
+                    self.chain_start(eid, pid, ev.parent_hash).map(|prev| {
+                        hash::token_chain_keys(prev, token_ids, *block_size as usize, &mut keys)
+                    })
+                }
+            }
+            BlockContent::Digests(digests) => {
+                if digests.len() != n {
+                    Err(SkipReason::DigestCountMismatch {
+                        digests: digests.len(),
+                        blocks: n,
+                    })
+                } else {
+                    self.chain_start(eid, pid, ev.parent_hash)
+                        .map(|prev| hash::chain_keys(prev, digests.iter().copied(), &mut keys))
+                }
+            }
+        };
+        if let Err(e) = keyed {
+            self.key_buf = keys;
+            return Err(e);
+        }
+
+        let engine_count = self.engines.len();
+        let Shard {
+            table,
+            engines,
+            partitions,
+            ..
+        } = self;
+        let engine = &mut engines[eid as usize];
+        let map_slot = match engine.parts.iter().position(|(p, _)| *p == pid) {
+            Some(i) => i,
+            None => {
+                engine.parts.push((pid, KeyTable::default()));
+                engine.parts.len() - 1
+            }
+        };
+        let part = &mut partitions[pid as usize];
+        let map = &mut engine.parts[map_slot].1;
+        for (h, &key) in ev.block_hashes.iter().zip(keys.iter()).take(PREFETCH_AHEAD) {
+            map.prefetch(h.0);
+            table.blocks.prefetch(key);
+        }
+        for (i, (h, &key)) in ev.block_hashes.iter().zip(keys.iter()).enumerate() {
+            // Overlap the cache misses of blocks a few steps ahead with this one's work.
+            if let (Some(ah), Some(&ak)) = (
+                ev.block_hashes.get(i + PREFETCH_AHEAD),
+                keys.get(i + PREFETCH_AHEAD),
+            ) {
+                map.prefetch(ah.0);
+                table.blocks.prefetch(ak);
+            }
+            let previous = map.insert(h.0, key);
+            if let Some(old) = previous.filter(|&old| old != key) {
+                // The engine reused a hash for other content (e.g. it restarted with a new hash
+                // seed without clearing): the old assignment is superseded.
+                if let Some((tier, gone)) = table.remove(old, eid, engine_count) {
+                    engine.tier_counts[tier as usize] -= 1;
+                    part.memberships -= 1;
+                    part.blocks -= gone as u64;
+                }
+            }
+            match table.add(key, eid, ev.tier, engine_count) {
+                Added::Holder { new_block } => {
+                    engine.tier_counts[ev.tier as usize] += 1;
+                    part.memberships += 1;
+                    part.blocks += new_block as u64;
+                }
+                Added::TierChanged(old) => {
+                    engine.tier_counts[old as usize] -= 1;
+                    engine.tier_counts[ev.tier as usize] += 1;
+                }
+                Added::Unchanged => {}
+            }
+        }
+        self.key_buf = keys;
+        Ok(n)
+    }
+
+    /// Removes `hashes` of engine `eid` from the engine's partition at `slot` of its parts.
+    fn remove_in_part(&mut self, eid: EngineIdx, slot: usize, hashes: &[EngineHash]) -> usize {
+        let engine_count = self.engines.len();
+        let Shard {
+            table,
+            engines,
+            partitions,
+            key_buf,
+            ..
+        } = self;
+        let engine = &mut engines[eid as usize];
+        let (pid, map) = &mut engine.parts[slot];
+        let part = &mut partitions[*pid as usize];
+        // Two passes, each prefetching ahead: resolve engine hashes to keys, then drop the
+        // memberships. Misses of one pass overlap instead of alternating between two tables.
+        let mut keys = std::mem::take(key_buf);
+        keys.clear();
+        for h in hashes.iter().take(PREFETCH_AHEAD) {
+            map.prefetch(h.0);
+        }
+        for (i, h) in hashes.iter().enumerate() {
+            if let Some(ahead) = hashes.get(i + PREFETCH_AHEAD) {
+                map.prefetch(ahead.0);
+            }
+            keys.extend(map.remove(h.0));
+        }
+        let mut removed = 0;
+        for &key in keys.iter().take(PREFETCH_AHEAD) {
+            table.blocks.prefetch(key);
+        }
+        for (i, &key) in keys.iter().enumerate() {
+            if let Some(&ahead) = keys.get(i + PREFETCH_AHEAD) {
+                table.blocks.prefetch(ahead);
+            }
+            if let Some((tier, gone)) = table.remove(key, eid, engine_count) {
+                engine.tier_counts[tier as usize] -= 1;
+                part.memberships -= 1;
+                part.blocks -= gone as u64;
+                removed += 1;
+            }
+        }
+        *key_buf = keys;
+        removed
+    }
+
+    /// Slots in `eid`'s parts of the partitions an event reaches: its own partition when
+    /// scoped, every adapter of its (tenant, model) otherwise.
+    fn reached_slots(&self, eid: EngineIdx, ev: &Event, scoped: bool) -> SmallVec<[usize; 4]> {
+        let p = &ev.partition;
+        self.engines[eid as usize]
+            .parts
+            .iter()
+            .enumerate()
+            .filter(|(_, (pid, _))| {
+                let k = &self.partitions[*pid as usize].key;
+                k.tenant == p.tenant && k.model == p.model && (!scoped || k.adapter == p.adapter)
+            })
+            .map(|(i, _)| i)
+            .collect()
+    }
+
+    fn remove(&mut self, ev: &Event, seen_us: i64) -> usize {
+        let Some(&eid) = self.engine_ids.get(ev.engine.as_str()) else {
+            return 0;
+        };
+        self.touch(eid, seen_us);
+        let slots = self.reached_slots(eid, ev, ev.is_scoped());
+        slots
+            .into_iter()
+            .map(|slot| self.remove_in_part(eid, slot, &ev.block_hashes))
+            .sum()
+    }
+
+    fn clear(&mut self, ev: &Event, seen_us: i64) -> usize {
+        let Some(&eid) = self.engine_ids.get(ev.engine.as_str()) else {
+            return 0;
+        };
+        self.touch(eid, seen_us);
+        let slots = self.reached_slots(eid, ev, false);
+        let engine_count = self.engines.len();
+        let mut removed = 0;
+        // Highest slot first so removing a slot leaves the remaining indices valid.
+        for slot in slots.into_iter().rev() {
+            let (pid, mut map) = self.engines[eid as usize].parts.swap_remove(slot);
+            let part = &mut self.partitions[pid as usize];
+            let engine = &mut self.engines[eid as usize];
+            for (_, key) in map.drain() {
+                if let Some((tier, gone)) = self.table.remove(key, eid, engine_count) {
+                    engine.tier_counts[tier as usize] -= 1;
+                    part.memberships -= 1;
+                    part.blocks -= gone as u64;
+                    removed += 1;
+                }
+            }
+        }
+        removed
+    }
+
+    /// For each engine holding `keys[0]`: the longest run of leading `keys` it holds. Rows are
+    /// appended to `out` in ascending `matched` order.
+    pub fn lookup(&self, keys: &[u64], out: &mut Vec<RawMatch>) {
+        let Some((&first, _)) = keys.split_first() else {
+            return;
+        };
+        let Some(h0) = self.table.blocks.get(first) else {
+            return;
+        };
+        let words = self.engines.len().div_ceil(64).max(1);
+        SCRATCH.with(|cell| {
+            let mut guard = cell.borrow_mut();
+            let Scratch { active, next } = &mut *guard;
+            for &key in keys.iter().skip(1).take(PREFETCH_AHEAD) {
+                self.table.blocks.prefetch(key);
+            }
+            active.reset(words);
+            active.load(h0, self.dense_of(first, h0));
+            for (i, key) in keys.iter().enumerate().skip(1) {
+                if let Some(&ahead) = keys.get(i + PREFETCH_AHEAD) {
+                    self.table.blocks.prefetch(ahead);
+                }
+                let Some(h) = self.table.blocks.get(*key) else {
+                    emit(active, None, i as u32, out);
+                    return;
+                };
+                next.reset(words);
+                let any = next.intersect(active, h, self.dense_of(*key, h));
+                emit(active, Some(next), i as u32, out);
+                if !any {
+                    return;
+                }
+                std::mem::swap(active, next);
+            }
+            emit(active, None, keys.len() as u32, out);
+        });
+    }
+
+    #[inline]
+    fn dense_of(&self, key: u64, holders: &Holders) -> Option<&DenseBits> {
+        if holders.len() >= 16 {
+            self.table.dense.get(&key)
+        } else {
+            None
+        }
+    }
+
+    /// Block keys of a query in `partition`, computed like stored chains (see [`hash`]).
+    pub fn partition_seed(&self, partition: &PartitionKey) -> u64 {
+        match self.partition_ids.get(partition) {
+            Some(&pid) => self.partitions[pid as usize].seed,
+            None => hash::partition_seed(self.seed, partition),
+        }
+    }
+
+    pub fn engine_name(&self, eid: EngineIdx) -> &str {
+        &self.engines[eid as usize].name
+    }
+    pub fn engines(&self) -> &[EngineState] {
+        &self.engines
+    }
+    pub fn partitions(&self) -> &[PartitionState] {
+        &self.partitions
+    }
+    pub fn blocks(&self) -> u64 {
+        self.table.blocks.len() as u64
+    }
+    pub fn memberships(&self) -> u64 {
+        self.table.memberships
+    }
+    /// Blocks that currently keep lookup bitsets (held by many engines).
+    pub fn dense_blocks(&self) -> usize {
+        self.table.dense.len()
+    }
+    /// Whether `engine` holds block `key`, and at which tier (tests and diagnostics).
+    pub fn holder_tier(&self, key: u64, engine: &str) -> Option<Tier> {
+        let eid = *self.engine_ids.get(engine)?;
+        self.table.blocks.get(key)?.tier_of(eid)
+    }
+
+    /// Bytes of memory the shard's structures own (tables at capacity, spilled lists, bitsets,
+    /// engine maps), for the L1 budget and the bytes-per-membership figure.
+    pub fn memory_bytes(&self) -> usize {
+        let engines: usize = self
+            .engines
+            .iter()
+            .map(|e| {
+                std::mem::size_of::<EngineState>()
+                    + e.name.capacity()
+                    + e.parts
+                        .iter()
+                        .map(|(_, m)| m.allocation_size())
+                        .sum::<usize>()
+            })
+            .sum();
+        self.table.blocks.allocation_size()
+            + self.table.dense.allocation_size()
+            + self.table.heap_bytes
+            + engines
+            + self.partitions.capacity() * std::mem::size_of::<PartitionState>()
+    }
+}

@@ -1,0 +1,66 @@
+//! The `kvindex` binary: argument parsing and wiring only; the work lives in the library.
+
+mod cli;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "kvindex",
+    version,
+    about = "Exact, durable, always-warm index of LLM KV-cache blocks"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run the service: sources → index → HTTP read API.
+    Serve(cli::serve::ServeArgs),
+    /// Run the service with a simulated engine fleet feeding it, and print curl commands to try.
+    Demo(cli::serve::DemoArgs),
+    /// Generate synthetic engine-fleet events in any encoding.
+    Produce(cli::produce::ProduceArgs),
+    /// Benchmarks.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Subcommand, Debug)]
+enum BenchCommand {
+    /// Replay a recorded KV-cache op stream through the index and check every lookup.
+    Replay(cli::bench::ReplayArgs),
+}
+
+fn init_tracing() {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_env("KVINDEX_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    let json = std::env::var("KVINDEX_LOG_FORMAT").is_ok_and(|f| f == "json");
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    if json {
+        builder.json().init();
+    } else {
+        builder.init();
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    init_tracing();
+    match cli.command {
+        Command::Serve(args) => runtime()?.block_on(cli::serve::serve(args)),
+        Command::Demo(args) => runtime()?.block_on(cli::serve::demo(args)),
+        Command::Produce(args) => cli::produce::produce(args),
+        Command::Bench(BenchCommand::Replay(args)) => cli::bench::replay(args),
+    }
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?)
+}
