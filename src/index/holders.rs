@@ -2,7 +2,6 @@
 //! blocks (held by many engines) keep so lookups intersect them a word at a time.
 
 use crate::event::Tier;
-use smallvec::SmallVec;
 
 /// An engine id local to one shard (dense, from 0), as interned by the shard.
 pub type EngineIdx = u32;
@@ -30,13 +29,29 @@ impl Holder {
     }
 }
 
+/// How many holders live inline, without a heap allocation.
+const INLINE: usize = 3;
+
 /// The engines holding one block, sorted by engine.
 ///
-/// Four fit inline (24 bytes, no heap), which covers the usual handful of replicas per block;
-/// more spill to the heap. Kept sorted so membership tests are binary searches even for a root
-/// block that a thousand engines share.
-#[derive(Clone, Debug, Default)]
-pub struct Holders(SmallVec<[Holder; 4]>);
+/// 16 bytes: up to three holders inline (the usual handful of replicas per block), more on the
+/// heap. Small matters here: this sits in every slot of the block table, so each byte saved is
+/// saved per block. Kept sorted so membership tests are binary searches even for a root block
+/// that a thousand engines share.
+#[derive(Clone, Debug)]
+pub enum Holders {
+    Inline { len: u8, items: [Holder; INLINE] },
+    Heap(Box<Vec<Holder>>),
+}
+
+impl Default for Holders {
+    fn default() -> Self {
+        Holders::Inline {
+            len: 0,
+            items: [Holder(0); INLINE],
+        }
+    }
+}
 
 /// What [`Holders::set`] changed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -52,46 +67,77 @@ pub enum SetOutcome {
 impl Holders {
     #[inline]
     pub fn len(&self) -> usize {
-        self.0.len()
+        match self {
+            Holders::Inline { len, .. } => *len as usize,
+            Holders::Heap(v) => v.len(),
+        }
     }
     #[inline]
     pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
+        self.len() == 0
     }
     #[inline]
     pub fn as_slice(&self) -> &[Holder] {
-        &self.0
+        match self {
+            Holders::Inline { len, items } => &items[..*len as usize],
+            Holders::Heap(v) => v,
+        }
+    }
+    #[inline]
+    fn as_mut_slice(&mut self) -> &mut [Holder] {
+        match self {
+            Holders::Inline { len, items } => &mut items[..*len as usize],
+            Holders::Heap(v) => v,
+        }
     }
 
     #[inline]
     fn position(&self, engine: EngineIdx) -> Result<usize, usize> {
-        if self.0.len() <= 8 {
+        let slice = self.as_slice();
+        if slice.len() <= 8 {
             // A short linear scan beats binary search's branch mispredictions.
-            for (i, h) in self.0.iter().enumerate() {
+            for (i, h) in slice.iter().enumerate() {
                 if h.engine() >= engine {
                     return if h.engine() == engine { Ok(i) } else { Err(i) };
                 }
             }
-            return Err(self.0.len());
+            return Err(slice.len());
         }
-        self.0.binary_search_by_key(&engine, |h| h.engine())
+        slice.binary_search_by_key(&engine, |h| h.engine())
     }
 
     /// Makes `engine` a holder at `tier` (last writer wins on the tier).
     #[inline]
     pub fn set(&mut self, engine: EngineIdx, tier: Tier) -> SetOutcome {
+        let holder = Holder::new(engine, tier);
         match self.position(engine) {
             Ok(i) => {
-                let old = self.0[i].tier();
+                let slot = &mut self.as_mut_slice()[i];
+                let old = slot.tier();
                 if old == tier {
                     SetOutcome::Unchanged
                 } else {
-                    self.0[i] = Holder::new(engine, tier);
+                    *slot = holder;
                     SetOutcome::TierChanged(old)
                 }
             }
             Err(i) => {
-                self.0.insert(i, Holder::new(engine, tier));
+                match self {
+                    Holders::Inline { len, items } if (*len as usize) < INLINE => {
+                        let n = *len as usize;
+                        items.copy_within(i..n, i + 1);
+                        items[i] = holder;
+                        *len += 1;
+                    }
+                    Holders::Inline { items, .. } => {
+                        let mut v = Vec::with_capacity(2 * INLINE + 2);
+                        v.extend_from_slice(&items[..i]);
+                        v.push(holder);
+                        v.extend_from_slice(&items[i..]);
+                        *self = Holders::Heap(Box::new(v));
+                    }
+                    Holders::Heap(v) => v.insert(i, holder),
+                }
                 SetOutcome::Added
             }
         }
@@ -101,26 +147,44 @@ impl Holders {
     #[inline]
     pub fn remove(&mut self, engine: EngineIdx) -> Option<Tier> {
         let i = self.position(engine).ok()?;
-        let tier = self.0[i].tier();
-        self.0.remove(i);
-        if self.0.spilled() && self.0.len() <= 4 {
-            self.0.shrink_to_fit();
+        match self {
+            Holders::Inline { len, items } => {
+                let tier = items[i].tier();
+                let n = *len as usize;
+                items.copy_within(i + 1..n, i);
+                *len -= 1;
+                Some(tier)
+            }
+            Holders::Heap(v) => {
+                let tier = v.remove(i).tier();
+                if v.len() <= INLINE {
+                    let mut items = [Holder(0); INLINE];
+                    items[..v.len()].copy_from_slice(v);
+                    *self = Holders::Inline {
+                        len: v.len() as u8,
+                        items,
+                    };
+                }
+                Some(tier)
+            }
         }
-        Some(tier)
     }
 
     /// The tier `engine` holds the block at, if it holds it.
     pub fn tier_of(&self, engine: EngineIdx) -> Option<Tier> {
-        self.position(engine).ok().map(|i| self.0[i].tier())
+        self.position(engine)
+            .ok()
+            .map(|i| self.as_slice()[i].tier())
     }
 
     /// Heap bytes owned beyond the inline storage (for L1 accounting).
     #[inline]
     pub fn heap_bytes(&self) -> usize {
-        if self.0.spilled() {
-            self.0.capacity() * std::mem::size_of::<Holder>()
-        } else {
-            0
+        match self {
+            Holders::Inline { .. } => 0,
+            Holders::Heap(v) => {
+                std::mem::size_of::<Vec<Holder>>() + v.capacity() * std::mem::size_of::<Holder>()
+            }
         }
     }
 }
@@ -245,6 +309,21 @@ mod tests {
         assert_eq!(h.remove(7), Some(Tier::Cpu));
         assert_eq!(h.remove(7), None);
         assert_eq!(h.len(), 11);
+        // Back down to inline storage, still sorted.
+        for e in [0, 2, 4, 6, 8, 10, 11, 1] {
+            h.remove(e);
+        }
+        assert!(matches!(h, Holders::Inline { len: 3, .. }));
+        assert_eq!(
+            h.as_slice().iter().map(|x| x.engine()).collect::<Vec<_>>(),
+            vec![3, 5, 9]
+        );
+        assert_eq!(h.heap_bytes(), 0);
+    }
+
+    #[test]
+    fn holders_fit_in_16_bytes() {
+        assert_eq!(std::mem::size_of::<Holders>(), 16);
     }
 
     #[test]

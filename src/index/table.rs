@@ -95,6 +95,16 @@ impl<V: Default> KeyTable<V> {
         }
     }
 
+    /// The key in slot `i`. Probe loops call this with `i & mask`, always in bounds: the
+    /// unchecked read drops a bounds check from the hottest loop of the index.
+    #[inline(always)]
+    fn key_at(&self, i: usize) -> u64 {
+        debug_assert!(i < self.slots.len());
+        // SAFETY: every caller passes an index masked by `self.mask()` (slots.len() - 1, with
+        // slots.len() a power of two) or a home slot (< slots.len()), on a non-empty table.
+        unsafe { self.slots.get_unchecked(i).0 }
+    }
+
     /// The slot index holding `key` (non-zero), if present.
     #[inline(always)]
     fn find(&self, key: u64) -> Option<usize> {
@@ -104,7 +114,7 @@ impl<V: Default> KeyTable<V> {
         let mask = self.mask();
         let mut i = self.home(key);
         loop {
-            let k = self.slots[i].0;
+            let k = self.key_at(i);
             if k == key {
                 return Some(i);
             }
@@ -149,7 +159,7 @@ impl<V: Default> KeyTable<V> {
         let mask = self.mask();
         let mut i = self.home(key);
         loop {
-            let k = self.slots[i].0;
+            let k = self.key_at(i);
             if k == key {
                 return (&mut self.slots[i].1, false);
             }
@@ -219,7 +229,7 @@ impl<V: Default> KeyTable<V> {
         let mut j = hole;
         loop {
             j = (j + 1) & mask;
-            let k = self.slots[j].0;
+            let k = self.key_at(j);
             if k == 0 {
                 return;
             }
