@@ -38,8 +38,10 @@ fn init_tracing() {
     use tracing_subscriber::EnvFilter;
     let filter = EnvFilter::try_from_env("KVINDEX_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
     let json = std::env::var("KVINDEX_LOG_FORMAT").is_ok_and(|f| f == "json");
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(ansi)
         .with_writer(std::io::stderr);
     if json {
         builder.json().init();

@@ -64,7 +64,7 @@ fn lookup(index: &Index, p: &PartitionKey, family: u32, blocks: u32) -> Vec<(Str
         .lookup(p, &q)
         .1
         .into_iter()
-        .map(|m| (m.engine_id, m.matched_blocks))
+        .map(|m| (m.engine_id.to_string(), m.matched_blocks))
         .collect()
 }
 
@@ -111,7 +111,7 @@ fn longest_prefix_per_engine_sorted_by_match_then_id() {
             },
         );
         assert_eq!(
-            full.iter().find(|m| m.engine_id == "c").map(|m| m.tier),
+            full.iter().find(|m| &*m.engine_id == "c").map(|m| m.tier),
             Some(Tier::Cpu)
         );
     }
@@ -510,7 +510,7 @@ fn randomized_against_reference_model() {
                             .lookup(&part(a), &q)
                             .1
                             .into_iter()
-                            .map(|m| (m.engine_id, m.matched_blocks, m.tier))
+                            .map(|m| (m.engine_id.to_string(), m.matched_blocks, m.tier))
                             .collect();
                         assert_eq!(got, want, "step {step} adapter {a:?} family {family}");
                     }

@@ -34,7 +34,7 @@ pub struct LookupResponse {
 
 #[derive(Debug, Serialize)]
 pub struct EngineRow {
-    pub engine_id: String,
+    pub engine_id: std::sync::Arc<str>,
     pub matched_blocks: u32,
     pub matched_tokens: Option<u64>,
     /// Tier of the engine's last matched block.

@@ -4,7 +4,7 @@
 use anyhow::Context;
 use kvindex::api::{self, AppState};
 use kvindex::config::{Config, Overrides};
-use kvindex::index::Index;
+use kvindex::index::{Index, QueryBlocks};
 use kvindex::metrics::Metrics;
 use kvindex::pipeline::Pipeline;
 use kvindex::produce::{Fleet, FleetConfig};
@@ -142,18 +142,34 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<()> {
         service.pipeline.submit(fleet.next_request());
     }
     service.pipeline.flush();
-    let (partition, tokens) = fleet.sample_query();
+    // Show a query whose answer is interesting: engines holding prefixes of different lengths.
+    let block_size = FleetConfig::default().block_size;
+    let (partition, tokens) = (0..64)
+        .map(|_| fleet.sample_query())
+        .max_by_key(|(partition, tokens)| {
+            let blocks = QueryBlocks::Tokens { token_ids: tokens.clone(), block_size };
+            let (_, rows) = service.index.lookup(partition, &blocks);
+            let distinct: std::collections::BTreeSet<u32> = rows.iter().map(|r| r.matched_blocks).collect();
+            (distinct.len(), rows.len())
+        })
+        .unwrap_or_default();
     let listen = service.config.http.listen.clone();
     let query = serde_json::json!({
         "model": partition.model, "tenant": partition.tenant, "adapter": partition.adapter,
-        "token_ids": tokens.iter().take(64).collect::<Vec<_>>(),
+        "token_ids": tokens,
     });
+    // The query is thousands of tokens: write it to a file for `curl -d @file`.
+    let data_dir = &service.config.data_dir;
+    std::fs::create_dir_all(data_dir).with_context(|| format!("creating data_dir {}", data_dir.display()))?;
+    let query_file = data_dir.join("demo-query.json");
+    std::fs::write(&query_file, serde_json::to_vec_pretty(&query)?)
+        .with_context(|| format!("writing {}", query_file.display()))?;
     println!(
         "\nkvindex demo: {} engines, {} adapters, {} requests/s of simulated traffic",
         args.engines, args.adapters, args.rate
     );
     println!("Try:");
-    println!("  curl -s http://{listen}/v1/lookup -d '{query}'");
+    println!("  curl -s http://{listen}/v1/lookup -d @{}", query_file.display());
     println!("  curl -s http://{listen}/v1/stats");
     println!("  curl -s http://{listen}/v1/engines");
     println!("  curl -s http://{listen}/metrics\n");

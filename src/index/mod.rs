@@ -20,6 +20,7 @@ pub use shard::{RawMatch, Shard, SkipReason};
 use crate::event::{EngineHash, Event, PartitionKey, Tier};
 use parking_lot::RwLock;
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 
 /// Index-wide settings.
 #[derive(Clone, Debug)]
@@ -56,7 +57,7 @@ pub enum QueryBlocks {
 /// One engine in a lookup answer.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EngineMatch {
-    pub engine_id: String,
+    pub engine_id: Arc<str>,
     pub matched_blocks: u32,
     pub tier: Tier,
 }
@@ -180,24 +181,27 @@ impl Index {
     /// Engines holding the longest runs of leading `keys`, sorted by `matched_blocks`
     /// descending, then `engine_id` ascending.
     pub fn lookup_keys(&self, keys: &[u64]) -> Vec<EngineMatch> {
-        let mut rows = Vec::new();
+        let mut parts: Vec<Vec<EngineMatch>> = Vec::with_capacity(self.shards.len());
         let mut raw = Vec::new();
         for s in &self.shards {
             raw.clear();
             let shard = s.read();
-            shard.lookup(keys, &mut raw);
-            rows.extend(raw.iter().map(|m| EngineMatch {
-                engine_id: shard.engine_name(m.engine).to_string(),
-                matched_blocks: m.matched,
-                tier: m.tier,
-            }));
+            // Each shard sorts its own rows with integer keys (name ranks); only the merge
+            // below compares names, and only between rows of equal length from two shards.
+            shard.lookup_sorted(keys, &mut raw);
+            if !raw.is_empty() {
+                parts.push(
+                    raw.iter()
+                        .map(|m| EngineMatch {
+                            engine_id: shard.engine_name(m.engine).clone(),
+                            matched_blocks: m.matched,
+                            tier: m.tier,
+                        })
+                        .collect(),
+                );
+            }
         }
-        rows.sort_unstable_by(|a, b| {
-            b.matched_blocks
-                .cmp(&a.matched_blocks)
-                .then_with(|| a.engine_id.cmp(&b.engine_id))
-        });
-        rows
+        merge_sorted(parts)
     }
 
     /// [`Index::query_keys`] then [`Index::lookup_keys`].
@@ -246,8 +250,8 @@ impl Index {
         for s in &self.shards {
             let shard = s.read();
             for e in shard.engines() {
-                let info = merged.entry(e.name.clone()).or_insert_with(|| EngineInfo {
-                    engine_id: e.name.clone(),
+                let info = merged.entry(e.name.to_string()).or_insert_with(|| EngineInfo {
+                    engine_id: e.name.to_string(),
                     ..EngineInfo::default()
                 });
                 info.blocks += e.blocks_held();
@@ -262,6 +266,39 @@ impl Index {
             }
         }
         merged.into_values().collect()
+    }
+}
+
+/// Answer order: `matched_blocks` descending, then `engine_id` ascending.
+fn answer_order(a: &EngineMatch, b: &EngineMatch) -> std::cmp::Ordering {
+    b.matched_blocks.cmp(&a.matched_blocks).then_with(|| a.engine_id.cmp(&b.engine_id))
+}
+
+/// Merges per-shard answers, each already in [`answer_order`], into one.
+fn merge_sorted(mut parts: Vec<Vec<EngineMatch>>) -> Vec<EngineMatch> {
+    match parts.len() {
+        0 => Vec::new(),
+        1 => parts.pop().unwrap_or_default(),
+        _ => {
+            let total = parts.iter().map(Vec::len).sum();
+            let mut out = Vec::with_capacity(total);
+            // A k-way merge over cursors; k (shards) is small, so a linear scan for the best
+            // head beats a heap.
+            let mut cursors = vec![0usize; parts.len()];
+            loop {
+                let mut best: Option<usize> = None;
+                for (i, part) in parts.iter().enumerate() {
+                    let Some(candidate) = part.get(cursors[i]) else { continue };
+                    let better = best.is_none_or(|b| answer_order(candidate, &parts[b][cursors[b]]).is_lt());
+                    if better {
+                        best = Some(i);
+                    }
+                }
+                let Some(b) = best else { return out };
+                out.push(parts[b][cursors[b]].clone());
+                cursors[b] += 1;
+            }
+        }
     }
 }
 

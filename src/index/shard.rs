@@ -13,6 +13,7 @@ use super::table::KeyTable;
 use crate::event::{BlockContent, EngineHash, Event, EventKind, PartitionKey, Tier};
 use smallvec::SmallVec;
 use std::cell::RefCell;
+use std::sync::Arc;
 
 /// Why a well-formed event could not be applied. Each is counted by `reason()` and logged.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -74,7 +75,8 @@ pub struct PartitionState {
 /// What a shard knows about one engine.
 #[derive(Debug, Default)]
 pub struct EngineState {
-    pub name: String,
+    /// Shared so lookup answers can name engines without copying strings.
+    pub name: Arc<str>,
     pub last_seen_us: i64,
     /// Memberships held, by tier (`Tier as usize`).
     pub tier_counts: [u64; 3],
@@ -315,6 +317,8 @@ pub struct Shard {
     engine_ids: hashbrown::HashMap<String, EngineIdx>,
     partitions: Vec<PartitionState>,
     partition_ids: hashbrown::HashMap<PartitionKey, u32>,
+    /// `name_rank[e]`: position of engine `e`'s name among the shard's engines, sorted.
+    name_rank: Vec<u32>,
     /// Reused buffer for a chain's block keys.
     key_buf: Vec<u64>,
 }
@@ -328,6 +332,7 @@ impl Shard {
             engine_ids: hashbrown::HashMap::new(),
             partitions: Vec::new(),
             partition_ids: hashbrown::HashMap::new(),
+            name_rank: Vec::new(),
             key_buf: Vec::new(),
         }
     }
@@ -367,11 +372,24 @@ impl Shard {
         }
         let id = self.engines.len() as EngineIdx;
         self.engines.push(EngineState {
-            name: name.to_string(),
+            name: Arc::from(name),
             ..EngineState::default()
         });
         self.engine_ids.insert(name.to_string(), id);
+        self.rank_engines();
         Ok(id)
+    }
+
+    /// Recomputes every engine's rank by name, so lookups can order rows by engine id with
+    /// integer compares. O(E log E) per new engine: engines join rarely (a fleet has thousands,
+    /// not millions), lookups are constant.
+    fn rank_engines(&mut self) {
+        let mut order: Vec<EngineIdx> = (0..self.engines.len() as EngineIdx).collect();
+        order.sort_unstable_by(|&a, &b| self.engines[a as usize].name.cmp(&self.engines[b as usize].name));
+        self.name_rank.resize(order.len(), 0);
+        for (rank, &e) in order.iter().enumerate() {
+            self.name_rank[e as usize] = rank as u32;
+        }
     }
 
     fn intern_partition(&mut self, key: &PartitionKey) -> u32 {
@@ -609,6 +627,21 @@ impl Shard {
         removed
     }
 
+    /// [`Shard::lookup`], with the rows appended to `out` sorted the way answers are: by
+    /// `matched` descending, then engine name ascending.
+    pub fn lookup_sorted(&self, keys: &[u64], out: &mut Vec<RawMatch>) {
+        let start = out.len();
+        self.lookup(keys, out);
+        // `lookup` emits rows grouped by `matched` ascending: reversing the whole run puts the
+        // groups in descending order, then each (small) group is ordered by name rank.
+        let rows = &mut out[start..];
+        rows.reverse();
+        let rank = &self.name_rank;
+        for group in rows.chunk_by_mut(|a, b| a.matched == b.matched) {
+            group.sort_unstable_by_key(|m| rank[m.engine as usize]);
+        }
+    }
+
     /// For each engine holding `keys[0]`: the longest run of leading `keys` it holds. Rows are
     /// appended to `out` in ascending `matched` order.
     pub fn lookup(&self, keys: &[u64], out: &mut Vec<RawMatch>) {
@@ -664,7 +697,7 @@ impl Shard {
         }
     }
 
-    pub fn engine_name(&self, eid: EngineIdx) -> &str {
+    pub fn engine_name(&self, eid: EngineIdx) -> &Arc<str> {
         &self.engines[eid as usize].name
     }
     pub fn engines(&self) -> &[EngineState] {
@@ -697,7 +730,7 @@ impl Shard {
             .iter()
             .map(|e| {
                 std::mem::size_of::<EngineState>()
-                    + e.name.capacity()
+                    + e.name.len()
                     + e.parts
                         .iter()
                         .map(|(_, m)| m.allocation_size())
