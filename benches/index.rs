@@ -121,6 +121,12 @@ fn bench_lookup(c: &mut Criterion) {
     );
 
     let mut g = c.benchmark_group("lookup");
+    g.bench_function("query_keys_2048_tokens", |b| {
+        b.iter(|| black_box(index.query_keys(&partition, &q)))
+    });
+    g.bench_function("lookup_keys_128_blocks_1000_engines_named_sorted", |b| {
+        b.iter(|| black_box(index.lookup_keys(black_box(&keys))))
+    });
     g.bench_function("tokens_128_blocks_1000_engines", |b| {
         b.iter(|| black_box(index.lookup(&partition, &q)))
     });

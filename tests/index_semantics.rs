@@ -63,7 +63,7 @@ fn lookup(index: &Index, p: &PartitionKey, family: u32, blocks: u32) -> Vec<(Str
     index
         .lookup(p, &q)
         .1
-        .into_iter()
+        .iter()
         .map(|m| (m.engine_id.to_string(), m.matched_blocks))
         .collect()
 }
@@ -111,7 +111,7 @@ fn longest_prefix_per_engine_sorted_by_match_then_id() {
             },
         );
         assert_eq!(
-            full.iter().find(|m| &*m.engine_id == "c").map(|m| m.tier),
+            full.iter().find(|m| m.engine_id == "c").map(|m| m.tier),
             Some(Tier::Cpu)
         );
     }
@@ -287,7 +287,7 @@ fn restoring_at_another_tier_replaces_the_tier() {
             },
         );
         assert_eq!(
-            got,
+            got.to_vec(),
             vec![EngineMatch {
                 engine_id: "e".into(),
                 matched_blocks: 2,
@@ -307,12 +307,12 @@ fn hash_only_producers_match_by_block_hashes() {
         ev.block_hashes = vec![EngineHash(0xa11ce), EngineHash(0xb0b)];
         apply(&index, &ev);
         let q = QueryBlocks::Hashes(vec![EngineHash(0xa11ce), EngineHash(0xb0b), EngineHash(9)]);
-        assert_eq!(index.lookup(&part(""), &q).1[0].matched_blocks, 2);
+        assert_eq!(index.lookup(&part(""), &q).1.to_vec()[0].matched_blocks, 2);
         assert!(index.lookup(&part("x"), &q).1.is_empty());
         let mut rm = Event::new(EventKind::Removed, "ic-0", part(""));
         rm.block_hashes = vec![EngineHash(0xb0b)];
         apply(&index, &rm);
-        assert_eq!(index.lookup(&part(""), &q).1[0].matched_blocks, 1);
+        assert_eq!(index.lookup(&part(""), &q).1.to_vec()[0].matched_blocks, 1);
     }
 }
 
@@ -509,7 +509,7 @@ fn randomized_against_reference_model() {
                         let got: Vec<_> = index
                             .lookup(&part(a), &q)
                             .1
-                            .into_iter()
+                            .iter()
                             .map(|m| (m.engine_id.to_string(), m.matched_blocks, m.tier))
                             .collect();
                         assert_eq!(got, want, "step {step} adapter {a:?} family {family}");

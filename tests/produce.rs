@@ -130,7 +130,7 @@ fn fleet_drives_the_index_consistently() {
                 block_size: 16,
             },
         );
-        if rows.first().is_some_and(|r| r.matched_blocks >= 2) {
+        if rows.iter().next().is_some_and(|r| r.matched_blocks >= 2) {
             hits += 1;
         }
         if rows.iter().filter(|r| r.matched_blocks >= 2).count() >= 2 {

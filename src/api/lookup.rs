@@ -16,12 +16,13 @@ use axum::body::Bytes;
 use axum::extract::State;
 use axum::extract::rejection::BytesRejection;
 use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Instant;
 
 #[derive(Debug, Serialize)]
-pub struct LookupResponse {
+pub struct LookupResponse<'a> {
     pub model: String,
     pub tenant: String,
     pub adapter: String,
@@ -29,12 +30,12 @@ pub struct LookupResponse {
     pub query_blocks: usize,
     /// Block size the answer is in; `null` for a hash query with no known block size.
     pub block_size: Option<u32>,
-    pub engines: Vec<EngineRow>,
+    pub engines: Vec<EngineRow<'a>>,
 }
 
 #[derive(Debug, Serialize)]
-pub struct EngineRow {
-    pub engine_id: std::sync::Arc<str>,
+pub struct EngineRow<'a> {
+    pub engine_id: &'a str,
     pub matched_blocks: u32,
     pub matched_tokens: Option<u64>,
     /// Tier of the engine's last matched block.
@@ -44,18 +45,52 @@ pub struct EngineRow {
 pub async fn lookup(
     State(state): State<AppState>,
     body: Result<Bytes, BytesRejection>,
-) -> Result<Json<LookupResponse>, ApiError> {
-    let answer = answer(&state, body);
-    if answer.is_err() {
+) -> Result<Response, ApiError> {
+    let answered = answer(&state, body);
+    if answered.is_err() {
         state.metrics.lookup_errors.fetch_add(1, Relaxed);
     }
-    answer.map(Json)
+    let Answered {
+        partition,
+        query_blocks,
+        block_size,
+        answer,
+    } = answered?;
+    let engines = answer
+        .iter()
+        .map(|m| EngineRow {
+            matched_tokens: block_size.map(|bs| u64::from(m.matched_blocks) * u64::from(bs)),
+            engine_id: m.engine_id,
+            matched_blocks: m.matched_blocks,
+            tier: m.tier.as_str(),
+        })
+        .collect();
+    let crate::event::PartitionKey {
+        tenant,
+        model,
+        adapter,
+    } = partition;
+    // Serialized here, while the rows still borrow the answer's engine names.
+    Ok(Json(LookupResponse {
+        model,
+        tenant,
+        adapter,
+        query_blocks,
+        block_size,
+        engines,
+    })
+    .into_response())
 }
 
-fn answer(
-    state: &AppState,
-    body: Result<Bytes, BytesRejection>,
-) -> Result<LookupResponse, ApiError> {
+/// A lookup answered, before serialization.
+struct Answered {
+    partition: crate::event::PartitionKey,
+    query_blocks: usize,
+    block_size: Option<u32>,
+    answer: crate::index::Answer,
+}
+
+fn answer(state: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Answered, ApiError> {
     let body = body.map_err(|rejection| {
         if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
             ApiError::PayloadTooLarge {
@@ -89,28 +124,12 @@ fn answer(
         Query::Hashes(hashes) => (QueryBlocks::Hashes(hashes), req.block_size.or_else(learned)),
     };
     let start = Instant::now();
-    let (query_blocks, matches) = state.index.lookup(p, &blocks);
+    let (query_blocks, answer) = state.index.lookup(p, &blocks);
     state.metrics.observe_lookup(start.elapsed().as_secs_f64());
-    let engines = matches
-        .into_iter()
-        .map(|m| EngineRow {
-            matched_tokens: block_size.map(|bs| u64::from(m.matched_blocks) * u64::from(bs)),
-            engine_id: m.engine_id,
-            matched_blocks: m.matched_blocks,
-            tier: m.tier.as_str(),
-        })
-        .collect();
-    let crate::event::PartitionKey {
-        tenant,
-        model,
-        adapter,
-    } = req.partition;
-    Ok(LookupResponse {
-        model,
-        tenant,
-        adapter,
+    Ok(Answered {
+        partition: req.partition,
         query_blocks,
         block_size,
-        engines,
+        answer,
     })
 }

@@ -147,9 +147,13 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<()> {
     let (partition, tokens) = (0..64)
         .map(|_| fleet.sample_query())
         .max_by_key(|(partition, tokens)| {
-            let blocks = QueryBlocks::Tokens { token_ids: tokens.clone(), block_size };
+            let blocks = QueryBlocks::Tokens {
+                token_ids: tokens.clone(),
+                block_size,
+            };
             let (_, rows) = service.index.lookup(partition, &blocks);
-            let distinct: std::collections::BTreeSet<u32> = rows.iter().map(|r| r.matched_blocks).collect();
+            let distinct: std::collections::BTreeSet<u32> =
+                rows.iter().map(|r| r.matched_blocks).collect();
             (distinct.len(), rows.len())
         })
         .unwrap_or_default();
@@ -160,7 +164,8 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<()> {
     });
     // The query is thousands of tokens: write it to a file for `curl -d @file`.
     let data_dir = &service.config.data_dir;
-    std::fs::create_dir_all(data_dir).with_context(|| format!("creating data_dir {}", data_dir.display()))?;
+    std::fs::create_dir_all(data_dir)
+        .with_context(|| format!("creating data_dir {}", data_dir.display()))?;
     let query_file = data_dir.join("demo-query.json");
     std::fs::write(&query_file, serde_json::to_vec_pretty(&query)?)
         .with_context(|| format!("writing {}", query_file.display()))?;
@@ -169,7 +174,10 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<()> {
         args.engines, args.adapters, args.rate
     );
     println!("Try:");
-    println!("  curl -s http://{listen}/v1/lookup -d @{}", query_file.display());
+    println!(
+        "  curl -s http://{listen}/v1/lookup -d @{}",
+        query_file.display()
+    );
     println!("  curl -s http://{listen}/v1/stats");
     println!("  curl -s http://{listen}/v1/engines");
     println!("  curl -s http://{listen}/metrics\n");

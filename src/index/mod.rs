@@ -54,12 +54,59 @@ pub enum QueryBlocks {
     Digests(Vec<u64>),
 }
 
-/// One engine in a lookup answer.
+/// One engine in a lookup answer, owned (tests, tools). The service reads [`Answer::iter`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EngineMatch {
-    pub engine_id: Arc<str>,
+    pub engine_id: String,
     pub matched_blocks: u32,
     pub tier: Tier,
+}
+
+/// One row of an [`Answer`], borrowing the engine's name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Match<'a> {
+    pub engine_id: &'a str,
+    pub matched_blocks: u32,
+    pub tier: Tier,
+}
+
+/// A lookup's rows, sorted by `matched_blocks` descending, then `engine_id` ascending.
+///
+/// Rows name engines by (shard, id) and the answer keeps one shared reference to each shard's
+/// name list: a thousand-engine answer costs a few refcounts, not a thousand string copies.
+#[derive(Clone, Debug, Default)]
+pub struct Answer {
+    rows: Vec<(u16, RawMatch)>,
+    names: Vec<Arc<Vec<Arc<str>>>>,
+}
+
+impl Answer {
+    pub fn len(&self) -> usize {
+        self.rows.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.rows.is_empty()
+    }
+    pub fn iter(&self) -> impl ExactSizeIterator<Item = Match<'_>> + '_ {
+        self.rows.iter().map(|(s, m)| Match {
+            engine_id: &self.names[*s as usize][m.engine as usize],
+            matched_blocks: m.matched,
+            tier: m.tier,
+        })
+    }
+    /// Owned rows.
+    pub fn to_vec(&self) -> Vec<EngineMatch> {
+        self.iter()
+            .map(|m| EngineMatch {
+                engine_id: m.engine_id.to_string(),
+                matched_blocks: m.matched_blocks,
+                tier: m.tier,
+            })
+            .collect()
+    }
+    fn name(&self, row: &(u16, RawMatch)) -> &str {
+        &self.names[row.0 as usize][row.1.engine as usize]
+    }
 }
 
 /// Counts of one partition, summed over shards.
@@ -180,36 +227,34 @@ impl Index {
 
     /// Engines holding the longest runs of leading `keys`, sorted by `matched_blocks`
     /// descending, then `engine_id` ascending.
-    pub fn lookup_keys(&self, keys: &[u64]) -> Vec<EngineMatch> {
-        let mut parts: Vec<Vec<EngineMatch>> = Vec::with_capacity(self.shards.len());
+    pub fn lookup_keys(&self, keys: &[u64]) -> Answer {
+        let mut answer = Answer {
+            rows: Vec::new(),
+            names: Vec::with_capacity(self.shards.len()),
+        };
         let mut raw = Vec::new();
-        for s in &self.shards {
+        // Where each shard's rows start in `answer.rows`.
+        let mut runs = Vec::with_capacity(self.shards.len() + 1);
+        for (i, s) in self.shards.iter().enumerate() {
             raw.clear();
             let shard = s.read();
-            // Each shard sorts its own rows with integer keys (name ranks); only the merge
-            // below compares names, and only between rows of equal length from two shards.
+            // Each shard orders its own rows with integer keys (name ranks); only the merge
+            // below compares names, and only between rows of two shards.
             shard.lookup_sorted(keys, &mut raw);
-            if !raw.is_empty() {
-                parts.push(
-                    raw.iter()
-                        .map(|m| EngineMatch {
-                            engine_id: shard.engine_name(m.engine).clone(),
-                            matched_blocks: m.matched,
-                            tier: m.tier,
-                        })
-                        .collect(),
-                );
-            }
+            answer.names.push(shard.engine_names().clone());
+            runs.push(answer.rows.len());
+            answer.rows.reserve(raw.len());
+            answer.rows.extend(raw.iter().map(|m| (i as u16, *m)));
         }
-        merge_sorted(parts)
+        runs.push(answer.rows.len());
+        if runs.windows(2).filter(|w| w[0] < w[1]).count() > 1 {
+            merge_runs(&mut answer, &runs);
+        }
+        answer
     }
 
     /// [`Index::query_keys`] then [`Index::lookup_keys`].
-    pub fn lookup(
-        &self,
-        partition: &PartitionKey,
-        blocks: &QueryBlocks,
-    ) -> (usize, Vec<EngineMatch>) {
+    pub fn lookup(&self, partition: &PartitionKey, blocks: &QueryBlocks) -> (usize, Answer) {
         let keys = self.query_keys(partition, blocks);
         let rows = self.lookup_keys(&keys);
         (keys.len(), rows)
@@ -250,10 +295,12 @@ impl Index {
         for s in &self.shards {
             let shard = s.read();
             for e in shard.engines() {
-                let info = merged.entry(e.name.to_string()).or_insert_with(|| EngineInfo {
-                    engine_id: e.name.to_string(),
-                    ..EngineInfo::default()
-                });
+                let info = merged
+                    .entry(e.name.to_string())
+                    .or_insert_with(|| EngineInfo {
+                        engine_id: e.name.to_string(),
+                        ..EngineInfo::default()
+                    });
                 info.blocks += e.blocks_held();
                 for (t, c) in e.tier_counts.iter().enumerate() {
                     info.blocks_by_tier[t] += c;
@@ -269,37 +316,34 @@ impl Index {
     }
 }
 
-/// Answer order: `matched_blocks` descending, then `engine_id` ascending.
-fn answer_order(a: &EngineMatch, b: &EngineMatch) -> std::cmp::Ordering {
-    b.matched_blocks.cmp(&a.matched_blocks).then_with(|| a.engine_id.cmp(&b.engine_id))
-}
-
-/// Merges per-shard answers, each already in [`answer_order`], into one.
-fn merge_sorted(mut parts: Vec<Vec<EngineMatch>>) -> Vec<EngineMatch> {
-    match parts.len() {
-        0 => Vec::new(),
-        1 => parts.pop().unwrap_or_default(),
-        _ => {
-            let total = parts.iter().map(Vec::len).sum();
-            let mut out = Vec::with_capacity(total);
-            // A k-way merge over cursors; k (shards) is small, so a linear scan for the best
-            // head beats a heap.
-            let mut cursors = vec![0usize; parts.len()];
-            loop {
-                let mut best: Option<usize> = None;
-                for (i, part) in parts.iter().enumerate() {
-                    let Some(candidate) = part.get(cursors[i]) else { continue };
-                    let better = best.is_none_or(|b| answer_order(candidate, &parts[b][cursors[b]]).is_lt());
-                    if better {
-                        best = Some(i);
-                    }
-                }
-                let Some(b) = best else { return out };
-                out.push(parts[b][cursors[b]].clone());
-                cursors[b] += 1;
+/// Merges the sorted per-shard runs of `answer.rows` (bounded by `runs`) into one sorted list:
+/// `matched` descending, then engine name ascending. k (shards) is small, so a linear scan for
+/// the best head beats a heap.
+fn merge_runs(answer: &mut Answer, runs: &[usize]) {
+    let mut cursors: Vec<(usize, usize)> = runs.windows(2).map(|w| (w[0], w[1])).collect();
+    let mut merged = Vec::with_capacity(answer.rows.len());
+    loop {
+        let mut best: Option<usize> = None;
+        for (c, &(at, end)) in cursors.iter().enumerate() {
+            if at == end {
+                continue;
+            }
+            let better = best.is_none_or(|b| {
+                let (x, y) = (&answer.rows[at], &answer.rows[cursors[b].0]);
+                y.1.matched
+                    .cmp(&x.1.matched)
+                    .then_with(|| answer.name(x).cmp(answer.name(y)))
+                    .is_lt()
+            });
+            if better {
+                best = Some(c);
             }
         }
+        let Some(b) = best else { break };
+        merged.push(answer.rows[cursors[b].0]);
+        cursors[b].0 += 1;
     }
+    answer.rows = merged;
 }
 
 /// The shard of `engine`'s events in `partition`'s (tenant, model), among `n`. The adapter is

@@ -319,6 +319,9 @@ pub struct Shard {
     partition_ids: hashbrown::HashMap<PartitionKey, u32>,
     /// `name_rank[e]`: position of engine `e`'s name among the shard's engines, sorted.
     name_rank: Vec<u32>,
+    /// Engine names by id, shared with lookup answers (one refcount per answer, not per row);
+    /// copied on write when an engine joins while an answer still holds the old list.
+    names: Arc<Vec<Arc<str>>>,
     /// Reused buffer for a chain's block keys.
     key_buf: Vec<u64>,
 }
@@ -333,6 +336,7 @@ impl Shard {
             partitions: Vec::new(),
             partition_ids: hashbrown::HashMap::new(),
             name_rank: Vec::new(),
+            names: Arc::new(Vec::new()),
             key_buf: Vec::new(),
         }
     }
@@ -376,6 +380,7 @@ impl Shard {
             ..EngineState::default()
         });
         self.engine_ids.insert(name.to_string(), id);
+        Arc::make_mut(&mut self.names).push(self.engines[id as usize].name.clone());
         self.rank_engines();
         Ok(id)
     }
@@ -385,7 +390,11 @@ impl Shard {
     /// not millions), lookups are constant.
     fn rank_engines(&mut self) {
         let mut order: Vec<EngineIdx> = (0..self.engines.len() as EngineIdx).collect();
-        order.sort_unstable_by(|&a, &b| self.engines[a as usize].name.cmp(&self.engines[b as usize].name));
+        order.sort_unstable_by(|&a, &b| {
+            self.engines[a as usize]
+                .name
+                .cmp(&self.engines[b as usize].name)
+        });
         self.name_rank.resize(order.len(), 0);
         for (rank, &e) in order.iter().enumerate() {
             self.name_rank[e as usize] = rank as u32;
@@ -638,7 +647,12 @@ impl Shard {
         rows.reverse();
         let rank = &self.name_rank;
         for group in rows.chunk_by_mut(|a, b| a.matched == b.matched) {
-            group.sort_unstable_by_key(|m| rank[m.engine as usize]);
+            // Engines often join in name order (engine-000, engine-001, ...): then a reversed
+            // group is just backwards, and reversing it again is the whole sort.
+            group.reverse();
+            if !group.is_sorted_by_key(|m| rank[m.engine as usize]) {
+                group.sort_unstable_by_key(|m| rank[m.engine as usize]);
+            }
         }
     }
 
@@ -699,6 +713,10 @@ impl Shard {
 
     pub fn engine_name(&self, eid: EngineIdx) -> &Arc<str> {
         &self.engines[eid as usize].name
+    }
+    /// Every engine name by id, shared (see the `names` field).
+    pub fn engine_names(&self) -> &Arc<Vec<Arc<str>>> {
+        &self.names
     }
     pub fn engines(&self) -> &[EngineState] {
         &self.engines
