@@ -14,3 +14,4 @@ pub mod metrics;
 pub mod pipeline;
 pub mod produce;
 pub mod replay;
+pub mod source;
