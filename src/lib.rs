@@ -4,7 +4,8 @@
 //! Data flows one way: a source delivers payloads, [`event`] decodes them into [`event::Event`]s,
 //! [`pipeline`] routes each to its [`index`] shard and applies it there, and [`api`] answers
 //! lookups over HTTP. [`config`] holds the validated settings, [`metrics`] the counters,
-//! [`produce`] a synthetic engine fleet, and [`replay`] the trace-replay benchmark.
+//! [`produce`] a synthetic engine fleet, [`replay`] the trace-replay benchmark, [`source`] the
+//! Kafka / NATS consumers, and [`store`] the durable RocksDB state the index reloads at restart.
 
 pub mod api;
 pub mod config;
@@ -15,3 +16,4 @@ pub mod pipeline;
 pub mod produce;
 pub mod replay;
 pub mod source;
+pub mod store;

@@ -10,11 +10,13 @@
 //! each engine's chains and hash maps live in one shard, so parents resolve locally. A lookup
 //! reads every shard (their engine sets are disjoint) and concatenates.
 
+pub mod changes;
 pub mod hash;
 pub mod holders;
 pub mod shard;
 pub mod table;
 
+pub use changes::{BlockChange, ChangeSet, EngineChange, MapChange};
 pub use shard::{RawMatch, Shard, SkipReason};
 
 use crate::event::{EngineHash, Event, PartitionKey, Tier};
@@ -197,6 +199,14 @@ impl Index {
     /// Direct access to one shard's lock (for shard workers and the replay bench).
     pub fn shard(&self, i: usize) -> &RwLock<Shard> {
         &self.shards[i]
+    }
+
+    /// Turns on change tracking in every shard (see [`Shard::enable_change_tracking`]): the
+    /// durable store commits what each shard changed.
+    pub fn enable_change_tracking(&self) {
+        for s in &self.shards {
+            s.write().enable_change_tracking();
+        }
     }
 
     /// The shard `ev` goes to (see module docs).

@@ -5,6 +5,7 @@
 //! and lookups read it under a read lock. Everything an event changes is an *assignment* of a
 //! (block, engine) membership, so replaying a suffix of the log onto a newer state converges.
 
+use super::changes::{BlockChange, ChangeSet, Changes, EngineChange, MapChange};
 use super::hash::{self, U64Map};
 use super::holders::{
     DenseBits, EngineIdx, Holders, MAX_ENGINES, SetOutcome, should_be_dense, should_stay_dense,
@@ -96,6 +97,10 @@ impl EngineState {
     }
     pub fn blocks_held(&self) -> u64 {
         self.tier_counts.iter().sum()
+    }
+    /// Entries of the engine's hash map in each partition it stored into (diagnostics, tests).
+    pub fn map_sizes(&self) -> impl Iterator<Item = (u32, usize)> + '_ {
+        self.parts.iter().map(|(p, m)| (*p, m.len()))
     }
 }
 
@@ -324,6 +329,9 @@ pub struct Shard {
     names: Arc<Vec<Arc<str>>>,
     /// Reused buffer for a chain's block keys.
     key_buf: Vec<u64>,
+    /// Rows changed since the store last took them; `None` unless the service persists the
+    /// shard. Boxed so an untracked shard pays one word and one predictable branch.
+    changes: Option<Box<Changes>>,
 }
 
 impl Shard {
@@ -338,6 +346,7 @@ impl Shard {
             name_rank: Vec::new(),
             names: Arc::new(Vec::new()),
             key_buf: Vec::new(),
+            changes: None,
         }
     }
 
@@ -365,6 +374,11 @@ impl Shard {
     fn touch(&mut self, eid: EngineIdx, seen_us: i64) {
         let e = &mut self.engines[eid as usize];
         e.last_seen_us = e.last_seen_us.max(seen_us);
+        // Every event that reaches an engine touches it, and every change of its partition list
+        // (a new map, a clear) comes with an event of it: marking here covers both.
+        if let Some(c) = self.changes.as_deref_mut() {
+            c.engines.insert(eid);
+        }
     }
 
     fn intern_engine(&mut self, name: &str) -> Result<EngineIdx, SkipReason> {
@@ -413,6 +427,9 @@ impl Shard {
             memberships: 0,
         });
         self.partition_ids.insert(key.clone(), id);
+        if let Some(c) = self.changes.as_deref_mut() {
+            c.partitions.push(id);
+        }
         id
     }
 
@@ -486,8 +503,10 @@ impl Shard {
             table,
             engines,
             partitions,
+            changes,
             ..
         } = self;
+        let mut changes = changes.as_deref_mut();
         let engine = &mut engines[eid as usize];
         let map_slot = match engine.parts.iter().position(|(p, _)| *p == pid) {
             Some(i) => i,
@@ -512,6 +531,9 @@ impl Shard {
                 table.blocks.prefetch(ak);
             }
             let previous = map.insert(h.0, key);
+            if let Some(c) = changes.as_deref_mut().filter(|_| previous != Some(key)) {
+                c.map(eid, pid, h.0);
+            }
             if let Some(old) = previous.filter(|&old| old != key) {
                 // The engine reused a hash for other content (e.g. it restarted with a new hash
                 // seed without clearing): the old assignment is superseded.
@@ -519,9 +541,13 @@ impl Shard {
                     engine.tier_counts[tier as usize] -= 1;
                     part.memberships -= 1;
                     part.blocks -= gone as u64;
+                    if let Some(c) = changes.as_deref_mut() {
+                        c.block(old, pid);
+                    }
                 }
             }
-            match table.add(key, eid, ev.tier, engine_count) {
+            let added = table.add(key, eid, ev.tier, engine_count);
+            match added {
                 Added::Holder { new_block } => {
                     engine.tier_counts[ev.tier as usize] += 1;
                     part.memberships += 1;
@@ -532,6 +558,9 @@ impl Shard {
                     engine.tier_counts[ev.tier as usize] += 1;
                 }
                 Added::Unchanged => {}
+            }
+            if let Some(c) = changes.as_deref_mut().filter(|_| added != Added::Unchanged) {
+                c.block(key, pid);
             }
         }
         self.key_buf = keys;
@@ -546,11 +575,14 @@ impl Shard {
             engines,
             partitions,
             key_buf,
+            changes,
             ..
         } = self;
+        let mut changes = changes.as_deref_mut();
         let engine = &mut engines[eid as usize];
         let (pid, map) = &mut engine.parts[slot];
-        let part = &mut partitions[*pid as usize];
+        let pid = *pid;
+        let part = &mut partitions[pid as usize];
         // Two passes, each prefetching ahead: resolve engine hashes to keys, then drop the
         // memberships. Misses of one pass overlap instead of alternating between two tables.
         let mut keys = std::mem::take(key_buf);
@@ -562,7 +594,12 @@ impl Shard {
             if let Some(ahead) = hashes.get(i + PREFETCH_AHEAD) {
                 map.prefetch(ahead.0);
             }
-            keys.extend(map.remove(h.0));
+            if let Some(key) = map.remove(h.0) {
+                keys.push(key);
+                if let Some(c) = changes.as_deref_mut() {
+                    c.map(eid, pid, h.0);
+                }
+            }
         }
         let mut removed = 0;
         for &key in keys.iter().take(PREFETCH_AHEAD) {
@@ -577,6 +614,9 @@ impl Shard {
                 part.memberships -= 1;
                 part.blocks -= gone as u64;
                 removed += 1;
+                if let Some(c) = changes.as_deref_mut() {
+                    c.block(key, pid);
+                }
             }
         }
         *key_buf = keys;
@@ -624,12 +664,20 @@ impl Shard {
             let (pid, mut map) = self.engines[eid as usize].parts.swap_remove(slot);
             let part = &mut self.partitions[pid as usize];
             let engine = &mut self.engines[eid as usize];
+            let mut changes = self.changes.as_deref_mut();
+            if let Some(c) = changes.as_deref_mut() {
+                // The map's rows go with one range delete, not one mark per entry.
+                c.cleared.insert((eid, pid));
+            }
             for (_, key) in map.drain() {
                 if let Some((tier, gone)) = self.table.remove(key, eid, engine_count) {
                     engine.tier_counts[tier as usize] -= 1;
                     part.memberships -= 1;
                     part.blocks -= gone as u64;
                     removed += 1;
+                    if let Some(c) = changes.as_deref_mut() {
+                        c.block(key, pid);
+                    }
                 }
             }
         }
@@ -760,5 +808,168 @@ impl Shard {
             + self.table.heap_bytes
             + engines
             + self.partitions.capacity() * std::mem::size_of::<PartitionState>()
+    }
+}
+
+/// Durability: change tracking for the store, and the restore API that rebuilds a shard from
+/// stored rows. Restoring records no changes (the rows are already durable).
+impl Shard {
+    /// Starts recording every mutation for [`Shard::take_changes`]. Enable it on an empty
+    /// shard or right after restoring one: state that exists before is not reported.
+    pub fn enable_change_tracking(&mut self) {
+        if self.changes.is_none() {
+            self.changes = Some(Box::default());
+        }
+    }
+
+    pub fn is_tracking_changes(&self) -> bool {
+        self.changes.is_some()
+    }
+
+    /// Whether anything changed since the last take (always `false` without tracking).
+    pub fn has_changes(&self) -> bool {
+        self.changes.as_deref().is_some_and(|c| !c.is_empty())
+    }
+
+    /// The current value of every row changed since the last call (empty without tracking),
+    /// and resets the tracker. Call it between events, in the thread that applies them, and
+    /// commit the result with the source offsets applied so far.
+    pub fn take_changes(&mut self) -> ChangeSet {
+        let Some(c) = self.changes.as_deref_mut() else {
+            return ChangeSet::default();
+        };
+        let mut out = ChangeSet {
+            engine_names: self.engines.iter().map(|e| e.name.clone()).collect(),
+            partitions: self.partitions.iter().map(|p| p.key.clone()).collect(),
+            new_partitions: std::mem::take(&mut c.partitions),
+            ..ChangeSet::default()
+        };
+        out.engines.reserve(c.engines.len());
+        for eid in c.engines.drain() {
+            let e = &self.engines[eid as usize];
+            out.engines.push(EngineChange {
+                engine: eid,
+                last_seen_us: e.last_seen_us,
+                partitions: e.partition_ids().collect(),
+            });
+        }
+        out.cleared.extend(c.cleared.drain());
+        out.maps.reserve(c.maps.len());
+        for (eid, pid, hash) in c.maps.drain() {
+            let block = self.engines[eid as usize]
+                .part(pid)
+                .and_then(|m| m.get(hash).copied());
+            out.maps.push(MapChange {
+                engine: eid,
+                partition: pid,
+                hash,
+                block,
+            });
+        }
+        out.blocks.reserve(c.blocks.len());
+        for (key, pid) in c.blocks.drain() {
+            let start = out.holders.len() as u32;
+            if let Some(h) = self.table.blocks.get(key) {
+                out.holders
+                    .extend(h.as_slice().iter().map(|h| (h.engine(), h.tier())));
+            }
+            out.blocks.push(BlockChange {
+                key,
+                partition: pid,
+                holders: start..out.holders.len() as u32,
+            });
+        }
+        out
+    }
+
+    /// Marks the rows of `changes` (taken from this shard) dirty again, so the next
+    /// [`Shard::take_changes`] reports their then-current values: what a failed commit calls
+    /// so nothing it carried is lost. A no-op without tracking.
+    pub fn requeue_changes(&mut self, changes: &ChangeSet) {
+        let Some(c) = self.changes.as_deref_mut() else {
+            return;
+        };
+        for &p in &changes.new_partitions {
+            if !c.partitions.contains(&p) {
+                c.partitions.push(p);
+            }
+        }
+        c.engines.extend(changes.engines.iter().map(|e| e.engine));
+        c.cleared.extend(changes.cleared.iter().copied());
+        c.maps
+            .extend(changes.maps.iter().map(|m| (m.engine, m.partition, m.hash)));
+        for b in &changes.blocks {
+            // A newer mark of the block is at least as current.
+            c.blocks.entry(b.key).or_insert(b.partition);
+        }
+    }
+
+    /// Interns `key` as a partition of this shard (restore), returning its shard-local id.
+    pub fn restore_partition(&mut self, key: &PartitionKey) -> u32 {
+        let tracking = self.changes.take();
+        let pid = self.intern_partition(key);
+        self.changes = tracking;
+        pid
+    }
+
+    /// Interns engine `name` (restore) with its liveness and the partitions (ids from
+    /// [`Shard::restore_partition`]) it has hash maps in.
+    pub fn restore_engine(
+        &mut self,
+        name: &str,
+        last_seen_us: i64,
+        partitions: &[u32],
+    ) -> Result<EngineIdx, SkipReason> {
+        let eid = self.intern_engine(name)?;
+        let e = &mut self.engines[eid as usize];
+        e.last_seen_us = e.last_seen_us.max(last_seen_us);
+        for &pid in partitions {
+            self.part_slot(eid, pid);
+        }
+        Ok(eid)
+    }
+
+    /// The slot of `pid` in `eid`'s parts, creating an empty map if needed.
+    fn part_slot(&mut self, eid: EngineIdx, pid: u32) -> usize {
+        let engine = &mut self.engines[eid as usize];
+        match engine.parts.iter().position(|(p, _)| *p == pid) {
+            Some(i) => i,
+            None => {
+                engine.parts.push((pid, KeyTable::default()));
+                engine.parts.len() - 1
+            }
+        }
+    }
+
+    /// Restores one entry of `eid`'s hash map in `pid` (ids from the restore calls above).
+    pub fn restore_map_entry(&mut self, eid: EngineIdx, pid: u32, hash: u64, block: u64) {
+        let slot = self.part_slot(eid, pid);
+        self.engines[eid as usize].parts[slot].1.insert(hash, block);
+    }
+
+    /// Restores one membership: `eid` holds `block` (of partition `pid`) at `tier`, with every
+    /// counter (engine tiers, partition blocks and memberships, bitsets) kept as `apply` keeps
+    /// them.
+    pub fn restore_membership(&mut self, pid: u32, eid: EngineIdx, block: u64, tier: Tier) {
+        let engine_count = self.engines.len();
+        let engine = &mut self.engines[eid as usize];
+        let part = &mut self.partitions[pid as usize];
+        match self.table.add(block, eid, tier, engine_count) {
+            Added::Holder { new_block } => {
+                engine.tier_counts[tier as usize] += 1;
+                part.memberships += 1;
+                part.blocks += new_block as u64;
+            }
+            Added::TierChanged(old) => {
+                engine.tier_counts[old as usize] -= 1;
+                engine.tier_counts[tier as usize] += 1;
+            }
+            Added::Unchanged => {}
+        }
+    }
+
+    /// True if the shard holds nothing (no engines, partitions or blocks).
+    pub fn is_empty(&self) -> bool {
+        self.engines.is_empty() && self.partitions.is_empty() && self.table.blocks.is_empty()
     }
 }

@@ -1,0 +1,123 @@
+//! Change tracking: what a shard changed since the durable store last took its changes.
+//!
+//! The tracker records *which* rows are dirty, never their values; [`Shard::take_changes`]
+//! (see `shard.rs`) reads the current values when the changes are taken. A [`ChangeSet`] is
+//! therefore a set of assignments (row = current value, or row deleted): writing it twice, or
+//! writing it over a store that already holds some of it, gives the same rows. That is what
+//! makes "state at checkpoint k + replay of the events after k" equal to the full state.
+//!
+//! [`Shard::take_changes`]: super::Shard::take_changes
+
+use super::hash::U64Map;
+use super::holders::EngineIdx;
+use crate::event::{PartitionKey, Tier};
+use smallvec::SmallVec;
+use std::ops::Range;
+use std::sync::Arc;
+
+/// Dirty rows of one shard, by shard-local ids. Boxed behind an `Option` in the shard, so a
+/// shard without tracking (the replay benchmark) pays one predictable branch per mutation.
+#[derive(Default)]
+pub(crate) struct Changes {
+    /// Block key → the partition it was last changed in (a block key belongs to one partition:
+    /// keys are namespaced by the partition seed).
+    pub(crate) blocks: U64Map<u32>,
+    /// (engine, partition, engine hash) entries of the engines' hash maps.
+    pub(crate) maps: hashbrown::HashSet<(EngineIdx, u32, u64)>,
+    /// (engine, partition) maps emptied by `ALL_CLEARED`: the store deletes their rows with one
+    /// range delete instead of one tombstone per entry (a cleared engine may hold millions).
+    pub(crate) cleared: hashbrown::HashSet<(EngineIdx, u32)>,
+    /// Engines whose liveness or partition list changed.
+    pub(crate) engines: hashbrown::HashSet<EngineIdx>,
+    /// Partitions interned since the last take (in interning order).
+    pub(crate) partitions: Vec<u32>,
+}
+
+impl Changes {
+    #[inline]
+    pub(crate) fn block(&mut self, key: u64, pid: u32) {
+        self.blocks.insert(key, pid);
+    }
+    #[inline]
+    pub(crate) fn map(&mut self, eid: EngineIdx, pid: u32, hash: u64) {
+        self.maps.insert((eid, pid, hash));
+    }
+    pub(crate) fn is_empty(&self) -> bool {
+        self.blocks.is_empty()
+            && self.maps.is_empty()
+            && self.cleared.is_empty()
+            && self.engines.is_empty()
+            && self.partitions.is_empty()
+    }
+}
+
+/// The current value of one dirty block: its holders in this shard, or deleted.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlockChange {
+    pub key: u64,
+    /// Shard-local partition id (index into [`ChangeSet::partitions`]).
+    pub partition: u32,
+    /// Range of [`ChangeSet::holders`]; empty = the block is gone from this shard.
+    pub holders: Range<u32>,
+}
+
+impl BlockChange {
+    pub fn is_deleted(&self) -> bool {
+        self.holders.is_empty()
+    }
+}
+
+/// The current value of one dirty engine-map entry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MapChange {
+    pub engine: EngineIdx,
+    pub partition: u32,
+    pub hash: u64,
+    /// The block key the engine hash resolves to, or `None` if the entry is gone.
+    pub block: Option<u64>,
+}
+
+/// The current value of one dirty engine row.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EngineChange {
+    pub engine: EngineIdx,
+    pub last_seen_us: i64,
+    /// Partitions the engine has a hash map in (possibly empty maps: `/v1/engines` lists them).
+    pub partitions: SmallVec<[u32; 2]>,
+}
+
+/// What a shard changed since the last [`take_changes`](super::Shard::take_changes), as current
+/// values (see the module docs). Engines and partitions are named by shard-local ids; the
+/// name tables resolve them (the store maps names to its durable ids).
+#[derive(Clone, Debug, Default)]
+pub struct ChangeSet {
+    /// Every engine of the shard, by shard-local id (`Arc` clones, no string copies).
+    pub engine_names: Vec<Arc<str>>,
+    /// Every partition of the shard, by shard-local id.
+    pub partitions: Vec<PartitionKey>,
+    /// Partitions interned since the last take.
+    pub new_partitions: Vec<u32>,
+    pub engines: Vec<EngineChange>,
+    /// (engine, partition) hash maps that were emptied by a clear: every map row of the pair
+    /// is deleted *before* `maps` is applied (entries added after the clear are in `maps`).
+    pub cleared: Vec<(EngineIdx, u32)>,
+    pub maps: Vec<MapChange>,
+    pub blocks: Vec<BlockChange>,
+    /// Holders of every block in `blocks`, flat, as (shard-local engine id, tier).
+    pub holders: Vec<(EngineIdx, Tier)>,
+}
+
+impl ChangeSet {
+    /// Holders of `block` (empty if deleted).
+    pub fn holders_of(&self, block: &BlockChange) -> &[(EngineIdx, Tier)] {
+        &self.holders[block.holders.start as usize..block.holders.end as usize]
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.new_partitions.is_empty()
+            && self.engines.is_empty()
+            && self.cleared.is_empty()
+            && self.maps.is_empty()
+            && self.blocks.is_empty()
+    }
+}
