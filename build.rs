@@ -3,5 +3,9 @@
 
 fn main() -> std::io::Result<()> {
     println!("cargo:rerun-if-changed=proto/kvindex/v1/events.proto");
-    prost_build::Config::new().compile_protos(&["proto/kvindex/v1/events.proto"], &["proto"])
+    // `bytes` fields as `bytes::Bytes`: decoding from one shared buffer then slices it instead
+    // of allocating a Vec per block hash (the decode bench's largest cost).
+    prost_build::Config::new()
+        .bytes(["."])
+        .compile_protos(&["proto/kvindex/v1/events.proto"], &["proto"])
 }

@@ -262,15 +262,15 @@ impl<'de> Visitor<'de> for EventSeed<'_> {
                 Key::ReplicaId => msg.replica_id = or_default(map.next_value()?),
                 Key::ModelId => msg.model_id = or_default(map.next_value()?),
                 Key::TenantId => msg.tenant_id = or_default(map.next_value()?),
-                Key::PrefixHash => msg.prefix_hash = map.next_value::<HashBytes>()?.0,
+                Key::PrefixHash => msg.prefix_hash = map.next_value::<HashBytes>()?.0.into(),
                 Key::TimestampUs => msg.timestamp_us = or_default(map.next_value()?),
                 Key::AdapterId => msg.adapter_id = or_default(map.next_value()?),
                 Key::AdapterScoped => msg.adapter_scoped = or_default(map.next_value()?),
                 Key::BlockHashes => {
                     let hashes: Option<Vec<HashBytes>> = map.next_value()?;
-                    msg.block_hashes = or_default(hashes).into_iter().map(|h| h.0).collect();
+                    msg.block_hashes = or_default(hashes).into_iter().map(|h| h.0.into()).collect();
                 }
-                Key::ParentHash => msg.parent_hash = map.next_value::<HashBytes>()?.0,
+                Key::ParentHash => msg.parent_hash = map.next_value::<HashBytes>()?.0.into(),
                 Key::TokenIds => msg.token_ids = or_default(map.next_value()?),
                 Key::BlockSize => msg.block_size = or_default(map.next_value()?),
                 Key::Tier => {

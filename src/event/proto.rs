@@ -37,20 +37,22 @@ pub fn decode(bytes: &[u8]) -> Result<Vec<Event>, DecodeError> {
     if bytes.is_empty() {
         return Err(DecodeError::Empty);
     }
+    // One copy of the payload into a shared buffer; every `bytes` field is then a slice of it.
+    let buf = bytes::Bytes::copy_from_slice(bytes);
     let mut batch_err = None;
     if bytes.first() == Some(&BATCH_TAG) {
-        match decode_batch(bytes) {
+        match decode_batch(buf.clone()) {
             Ok(events) => return Ok(events),
             Err(e) => batch_err = Some(e),
         }
     }
-    match pb::CacheEvent::decode(bytes) {
+    match pb::CacheEvent::decode(buf) {
         Ok(msg) => from_pb(msg).map(|ev| vec![ev]),
         Err(e) => Err(batch_err.unwrap_or_else(|| DecodeError::Protobuf(e.to_string()))),
     }
 }
 
-fn decode_batch(bytes: &[u8]) -> Result<Vec<Event>, DecodeError> {
+fn decode_batch(bytes: bytes::Bytes) -> Result<Vec<Event>, DecodeError> {
     let batch =
         pb::CacheEventBatch::decode(bytes).map_err(|e| DecodeError::Protobuf(e.to_string()))?;
     batch.events.into_iter().map(from_pb).collect()
@@ -202,6 +204,11 @@ pub fn split_engine_id(engine: &str) -> (&str, u32) {
 /// Converts an [`Event`] into a `CacheEvent`. Hashes are written as 8-byte big-endian,
 /// `prefix_hash` is set to the last hash of the chain for legacy readers, and
 /// [`BlockContent::Digests`] (not expressible on the wire) is written as hash-only.
+/// An engine hash on the wire: 8 bytes, big-endian.
+fn hash_bytes(h: EngineHash) -> bytes::Bytes {
+    bytes::Bytes::copy_from_slice(&h.0.to_be_bytes())
+}
+
 pub fn to_pb(ev: &Event) -> pb::CacheEvent {
     let (replica, dp_rank) = split_engine_id(&ev.engine);
     let (token_ids, block_size) = match &ev.content {
@@ -219,20 +226,13 @@ pub fn to_pb(ev: &Event) -> pb::CacheEvent {
         prefix_hash: ev
             .block_hashes
             .last()
-            .map(|h| h.0.to_be_bytes().to_vec())
+            .map(|h| hash_bytes(*h))
             .unwrap_or_default(),
         timestamp_us: ev.timestamp_us,
         adapter_id: ev.partition.adapter.clone(),
         adapter_scoped: ev.adapter_scoped,
-        block_hashes: ev
-            .block_hashes
-            .iter()
-            .map(|h| h.0.to_be_bytes().to_vec())
-            .collect(),
-        parent_hash: ev
-            .parent_hash
-            .map(|h| h.0.to_be_bytes().to_vec())
-            .unwrap_or_default(),
+        block_hashes: ev.block_hashes.iter().map(|h| hash_bytes(*h)).collect(),
+        parent_hash: ev.parent_hash.map(hash_bytes).unwrap_or_default(),
         token_ids,
         block_size,
         tier: tier_to_i32(ev.tier),
