@@ -195,6 +195,32 @@ impl BlockTable {
     }
 }
 
+/// Drops the membership of `holder` = (engine, shard engine count) in block `key`, keeping the
+/// engine's `tier_counts`, the partition's totals (`part` = (state, id)) and the change log in
+/// step. True if the engine held the block.
+#[inline]
+fn drop_membership(
+    table: &mut BlockTable,
+    key: u64,
+    holder: (EngineIdx, usize),
+    tier_counts: &mut [u64; 3],
+    part: (&mut PartitionState, u32),
+    changes: Option<&mut Changes>,
+) -> bool {
+    let (eid, engine_count) = holder;
+    let Some((tier, gone)) = table.remove(key, eid, engine_count) else {
+        return false;
+    };
+    let (part, pid) = part;
+    tier_counts[tier as usize] -= 1;
+    part.memberships -= 1;
+    part.blocks -= gone as u64;
+    if let Some(c) = changes {
+        c.block(key, pid);
+    }
+    true
+}
+
 /// Scratch bitsets for one lookup, reused per thread so a lookup allocates nothing but its
 /// answer.
 #[derive(Default)]
@@ -537,14 +563,14 @@ impl Shard {
             if let Some(old) = previous.filter(|&old| old != key) {
                 // The engine reused a hash for other content (e.g. it restarted with a new hash
                 // seed without clearing): the old assignment is superseded.
-                if let Some((tier, gone)) = table.remove(old, eid, engine_count) {
-                    engine.tier_counts[tier as usize] -= 1;
-                    part.memberships -= 1;
-                    part.blocks -= gone as u64;
-                    if let Some(c) = changes.as_deref_mut() {
-                        c.block(old, pid);
-                    }
-                }
+                drop_membership(
+                    table,
+                    old,
+                    (eid, engine_count),
+                    &mut engine.tier_counts,
+                    (part, pid),
+                    changes.as_deref_mut(),
+                );
             }
             let added = table.add(key, eid, ev.tier, engine_count);
             match added {
@@ -609,15 +635,15 @@ impl Shard {
             if let Some(&ahead) = keys.get(i + PREFETCH_AHEAD) {
                 table.blocks.prefetch(ahead);
             }
-            if let Some((tier, gone)) = table.remove(key, eid, engine_count) {
-                engine.tier_counts[tier as usize] -= 1;
-                part.memberships -= 1;
-                part.blocks -= gone as u64;
-                removed += 1;
-                if let Some(c) = changes.as_deref_mut() {
-                    c.block(key, pid);
-                }
-            }
+            let part = (&mut *part, pid);
+            removed += drop_membership(
+                table,
+                key,
+                (eid, engine_count),
+                &mut engine.tier_counts,
+                part,
+                changes.as_deref_mut(),
+            ) as usize;
         }
         *key_buf = keys;
         removed
@@ -670,15 +696,16 @@ impl Shard {
                 c.cleared.insert((eid, pid));
             }
             for (_, key) in map.drain() {
-                if let Some((tier, gone)) = self.table.remove(key, eid, engine_count) {
-                    engine.tier_counts[tier as usize] -= 1;
-                    part.memberships -= 1;
-                    part.blocks -= gone as u64;
-                    removed += 1;
-                    if let Some(c) = changes.as_deref_mut() {
-                        c.block(key, pid);
-                    }
-                }
+                let holder = (eid, engine_count);
+                let part = (&mut *part, pid);
+                removed += drop_membership(
+                    &mut self.table,
+                    key,
+                    holder,
+                    &mut engine.tier_counts,
+                    part,
+                    changes.as_deref_mut(),
+                ) as usize;
             }
         }
         removed
