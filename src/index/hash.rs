@@ -38,7 +38,6 @@ pub fn raw(partition_seed: u64, engine_hash: u64) -> u64 {
 pub fn token_digest(tokens: &[u32]) -> u64 {
     // Tokens are hashed as their little-endian bytes; on little-endian targets that is the
     // slice's own memory, so no copy is made.
-    let mut buf = [0u8; 4 * 64];
     if cfg!(target_endian = "little") {
         // SAFETY: u32 has no padding and any byte pattern is a valid u8; the slice covers
         // exactly the tokens' memory.
@@ -46,11 +45,6 @@ pub fn token_digest(tokens: &[u32]) -> u64 {
             std::slice::from_raw_parts(tokens.as_ptr().cast::<u8>(), std::mem::size_of_val(tokens))
         };
         xxh3_64(bytes)
-    } else if tokens.len() <= 64 {
-        for (chunk, t) in buf.chunks_exact_mut(4).zip(tokens) {
-            chunk.copy_from_slice(&t.to_le_bytes());
-        }
-        xxh3_64(&buf[..tokens.len() * 4])
     } else {
         let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
         xxh3_64(&bytes)
