@@ -452,7 +452,6 @@ impl Config {
             for (field, value) in [
                 ("source.kafka.brokers", &kafka.brokers),
                 ("source.kafka.topic", &kafka.topic),
-                ("source.kafka.group_id", &kafka.group_id),
             ] {
                 if value.trim().is_empty() {
                     return Err(bad(field, "must not be empty when source.kind = \"kafka\""));

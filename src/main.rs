@@ -21,6 +21,8 @@ enum Command {
     Serve(cli::serve::ServeArgs),
     /// Run the service with a simulated engine fleet feeding it, and print curl commands to try.
     Demo(cli::serve::DemoArgs),
+    /// Rebuild an index from a Kafka topic or NATS stream into an empty data dir.
+    Replay(cli::replay::ReplayArgs),
     /// Generate synthetic engine-fleet events in any encoding.
     Produce(cli::produce::ProduceArgs),
     /// Benchmarks.
@@ -56,6 +58,7 @@ fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Serve(args) => runtime()?.block_on(cli::serve::serve(args)),
         Command::Demo(args) => runtime()?.block_on(cli::serve::demo(args)),
+        Command::Replay(args) => runtime()?.block_on(cli::replay::replay(args)),
         Command::Produce(args) => cli::produce::produce(args),
         Command::Bench(BenchCommand::Replay(args)) => cli::bench::replay(args),
     }

@@ -29,6 +29,28 @@ pub struct Metrics {
     pub lookup_errors: AtomicU64,
     latency_buckets: [AtomicU64; LATENCY_BUCKETS.len()],
     latency_sum_ns: AtomicU64,
+    /// Events skipped because their shard had already applied their source offset.
+    pub duplicates: AtomicU64,
+    /// Shard commits (index rows + offsets in one RocksDB batch) that succeeded / failed.
+    pub commits: AtomicU64,
+    pub commit_failures: AtomicU64,
+    commit_sum_ns: AtomicU64,
+    /// The source partitions as last published by the ingest loop.
+    sources: Mutex<Vec<SourceGauge>>,
+}
+
+/// One source partition's gauges for `/metrics`.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SourceGauge {
+    pub source: String,
+    pub partition: i32,
+    /// Log end minus the next offset applied (-1 while unknown).
+    pub lag: i64,
+    /// Next offset durable in the store (-1: none).
+    pub durable_offset: i64,
+    pub high_watermark: i64,
+    /// Consuming stopped because the checkpoint diverged from the log.
+    pub diverged: bool,
 }
 
 /// Kind labels for [`Metrics::applied`] (the index of each is its slot).
@@ -45,6 +67,25 @@ impl Metrics {
             c.fetch_add(1, Relaxed);
         }
         self.block_ops.fetch_add(block_ops as u64, Relaxed);
+    }
+
+    pub fn count_duplicates(&self, events: u64) {
+        self.duplicates.fetch_add(events, Relaxed);
+    }
+
+    pub fn observe_commit(&self, took: std::time::Duration) {
+        self.commits.fetch_add(1, Relaxed);
+        self.commit_sum_ns
+            .fetch_add(took.as_nanos() as u64, Relaxed);
+    }
+
+    pub fn count_commit_failure(&self) {
+        self.commit_failures.fetch_add(1, Relaxed);
+    }
+
+    /// Replaces the source partitions shown by `/metrics`.
+    pub fn set_sources(&self, gauges: Vec<SourceGauge>) {
+        *self.sources.lock() = gauges;
     }
 
     pub fn count_malformed(&self, reason: &'static str) {
@@ -168,6 +209,38 @@ impl Metrics {
         let _ = writeln!(out, "kvindex_lookup_duration_seconds_count {count}");
         for (name, help, value) in [
             (
+                "kvindex_duplicates_skipped_total",
+                "Events skipped because their offset was already applied (redeliveries, re-reads).",
+                self.duplicates.load(Relaxed),
+            ),
+            (
+                "kvindex_commits_total",
+                "Shard commits of index rows and source offsets in one RocksDB batch.",
+                self.commits.load(Relaxed),
+            ),
+            (
+                "kvindex_commit_failures_total",
+                "Shard commits that failed (retried; nothing is acknowledged upstream meanwhile).",
+                self.commit_failures.load(Relaxed),
+            ),
+        ] {
+            write_family(&mut out, name, "counter", help);
+            let _ = writeln!(out, "{name} {value}");
+        }
+        write_family(
+            &mut out,
+            "kvindex_commit_duration_seconds_sum",
+            "counter",
+            "Total time spent writing shard commits.",
+        );
+        let _ = writeln!(
+            out,
+            "kvindex_commit_duration_seconds_sum {}",
+            self.commit_sum_ns.load(Relaxed) as f64 / 1e9
+        );
+        self.render_sources(&mut out);
+        for (name, help, value) in [
+            (
                 "kvindex_block_entries",
                 "Distinct blocks per shard, summed over shards.",
                 index.block_entries as f64,
@@ -194,6 +267,47 @@ impl Metrics {
             let _ = writeln!(out, "{name} {value}");
         }
         out
+    }
+}
+
+impl Metrics {
+    fn render_sources(&self, out: &mut String) {
+        let sources = self.sources.lock();
+        type Field = fn(&SourceGauge) -> i64;
+        let families: [(&str, &str, Field); 4] = [
+            (
+                "kvindex_source_lag",
+                "Offsets between the log end and the next offset applied.",
+                |g| g.lag,
+            ),
+            (
+                "kvindex_source_durable_offset",
+                "Next offset durable in the store (where a restart resumes).",
+                |g| g.durable_offset,
+            ),
+            (
+                "kvindex_source_high_watermark",
+                "Log end (next offset to be written) as last seen.",
+                |g| g.high_watermark,
+            ),
+            (
+                "kvindex_source_diverged",
+                "1 while consuming is stopped because the checkpoint diverged from the log.",
+                |g| i64::from(g.diverged),
+            ),
+        ];
+        for (name, help, field) in families {
+            write_family(out, name, "gauge", help);
+            for g in sources.iter() {
+                let _ = writeln!(
+                    out,
+                    "{name}{{source=\"{}\",partition=\"{}\"}} {}",
+                    g.source,
+                    g.partition,
+                    field(g)
+                );
+            }
+        }
     }
 }
 

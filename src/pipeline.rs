@@ -1,26 +1,86 @@
 //! The apply pipeline: routes decoded events to per-shard worker threads, which apply them in
-//! source order under their shard's write lock, and counts what was applied or skipped.
+//! source order under their shard's write lock, skip what they have already applied, and
+//! commit their changes together with the source offsets they cover.
 //!
 //! Workers are plain threads (index work is CPU-bound Rust on owned data, no `.await`); the
 //! bounded queues give backpressure: a producer that outruns the index blocks in `submit`
 //! instead of growing memory without bound. The `Pipeline` owns its workers and stops them
-//! on drop.
+//! on drop (each makes a last commit first).
+//!
+//! # Offsets and duplicates
+//! [`Pipeline::ingest_batch`] tags the events of every source message with the message's
+//! (source partition, offset). Each worker keeps a *floor* per source partition: the next
+//! offset it has applied. A message below the floor was applied before (a redelivery, a
+//! re-read after a restart or a rebalance) and its events are skipped and counted as
+//! duplicates. Every shard is told the offsets of every batch, also when none of its events
+//! were in it, so its floor (and its durable row) keeps up; see `store/mod.rs` for why.
+//!
+//! # Commits
+//! With a [`Store`], each worker commits its shard's [`ChangeSet`](crate::index::ChangeSet)
+//! and its floors in one `WriteBatch` every `interval` or `max_events` applied events,
+//! whichever comes first, and on [`Pipeline::persist`]. The change set is taken under the
+//! shard's write lock (between two events, so rows and offsets agree); the RocksDB write runs
+//! outside it, so lookups never wait on I/O. A failed commit puts the changes back and is
+//! retried at the next tick; nothing is acknowledged upstream until it succeeds.
 
+use crate::checkpoint::{NONE, PartId, Progress};
 use crate::event::{DecodeOptions, Decoded, Envelope, Event, EventKind, decode_payload};
 use crate::index::{Index, SkipReason};
 use crate::metrics::Metrics;
+use crate::source::{Checkpoints, Message};
+use crate::store::{Store, StoreError};
 use std::sync::Arc;
-use std::sync::mpsc::{Receiver, Sender, SyncSender, sync_channel};
+use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, SyncSender, sync_channel};
 use std::thread::JoinHandle;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// Batches waiting per shard before `submit` blocks.
 const QUEUE_BATCHES: usize = 64;
+/// Failed commits are logged at most this often per shard.
+const COMMIT_WARN_EVERY: Duration = Duration::from_secs(10);
+
+/// When a shard commits: every `interval`, or after `max_events` applied events.
+#[derive(Clone, Copy, Debug)]
+pub struct CommitPolicy {
+    pub interval: Duration,
+    pub max_events: u64,
+}
+
+impl Default for CommitPolicy {
+    fn default() -> Self {
+        CommitPolicy {
+            interval: Duration::from_millis(100),
+            max_events: 10_000,
+        }
+    }
+}
+
+/// Events of one source message that went to one shard: `events[previous end..end]`.
+struct Span {
+    part: PartId,
+    offset: i64,
+    end: usize,
+}
+
+/// One shard's share of a batch.
+#[derive(Default)]
+struct ShardWork {
+    events: Vec<Event>,
+    /// Empty for events without source positions ([`Pipeline::submit`]).
+    spans: Vec<Span>,
+    /// (partition, next offset) of every source partition in the batch, for every shard.
+    delivered: Vec<(PartId, i64)>,
+}
 
 enum Msg {
-    Events(Vec<Event>),
+    Work(ShardWork),
     /// Acknowledged once everything sent before it is applied.
     Barrier(Sender<()>),
+    /// Commit now; acknowledged with whether the commit succeeded.
+    Persist(Sender<bool>),
+    /// Forget a source partition's floor (its checkpoint was abandoned).
+    Forget(PartId, Sender<()>),
 }
 
 /// Where a payload came from, for logs of what could not be decoded.
@@ -31,10 +91,19 @@ pub struct Position<'a> {
     pub offset: i64,
 }
 
+/// What [`Pipeline::ingest_batch`] routed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BatchStats {
+    pub messages: usize,
+    pub events: usize,
+}
+
 /// Shard workers plus the router in front of them.
 pub struct Pipeline {
     index: Arc<Index>,
     metrics: Arc<Metrics>,
+    store: Option<Arc<Store>>,
+    progress: Arc<Progress>,
     senders: Vec<SyncSender<Msg>>,
     workers: Vec<JoinHandle<()>>,
 }
@@ -56,16 +125,47 @@ fn kind_slot(kind: EventKind) -> Option<usize> {
 }
 
 impl Pipeline {
-    /// Starts one worker thread per shard of `index`.
+    /// Starts one worker thread per shard of `index`, keeping everything in memory only.
     pub fn start(index: Arc<Index>, metrics: Arc<Metrics>) -> Pipeline {
+        let progress = Arc::new(Progress::new(index.shard_count()));
+        Pipeline::spawn(index, metrics, None, progress, CommitPolicy::default())
+    }
+
+    /// Starts the workers of a durable index: `index` holds what `store` held at start (see
+    /// [`crate::store::Store::load_shard`]) with change tracking on, and `progress` the
+    /// offsets the store holds ([`Progress::restore`]).
+    pub fn start_durable(
+        index: Arc<Index>,
+        metrics: Arc<Metrics>,
+        store: Arc<Store>,
+        progress: Arc<Progress>,
+        policy: CommitPolicy,
+    ) -> Pipeline {
+        Pipeline::spawn(index, metrics, Some(store), progress, policy)
+    }
+
+    fn spawn(
+        index: Arc<Index>,
+        metrics: Arc<Metrics>,
+        store: Option<Arc<Store>>,
+        progress: Arc<Progress>,
+        policy: CommitPolicy,
+    ) -> Pipeline {
         let mut senders = Vec::new();
         let mut workers = Vec::new();
         for shard in 0..index.shard_count() {
             let (tx, rx) = sync_channel(QUEUE_BATCHES);
-            let (index, metrics) = (index.clone(), metrics.clone());
+            let mut worker = Worker::new(
+                shard,
+                index.clone(),
+                metrics.clone(),
+                store.clone(),
+                progress.clone(),
+                policy,
+            );
             let handle = std::thread::Builder::new()
                 .name(format!("kvindex-shard-{shard}"))
-                .spawn(move || run_worker(shard, rx, &index, &metrics))
+                .spawn(move || worker.run(rx))
                 .expect("spawning a shard worker thread");
             senders.push(tx);
             workers.push(handle);
@@ -73,6 +173,8 @@ impl Pipeline {
         Pipeline {
             index,
             metrics,
+            store,
+            progress,
             senders,
             workers,
         }
@@ -82,29 +184,72 @@ impl Pipeline {
         &self.index
     }
 
-    /// Routes `events` (in source order) to their shards. Blocks while a shard's queue is full.
-    pub fn submit(&self, events: Vec<Event>) {
-        let mut batches: Vec<Vec<Event>> = vec![Vec::new(); self.senders.len()];
-        for ev in events {
-            if let EventKind::Unknown(t) = ev.kind {
-                let reason = SkipReason::UnknownType(t);
-                self.metrics.count_skipped(reason.reason());
-                tracing::debug!(engine = %ev.engine, kind = t, "skipping event of unknown type");
-                continue;
-            }
-            self.index.learn_block_size(&ev);
-            batches[self.index.route(&ev)].push(ev);
-        }
-        for (tx, batch) in self.senders.iter().zip(batches) {
-            if !batch.is_empty() {
+    pub fn progress(&self) -> &Arc<Progress> {
+        &self.progress
+    }
+
+    /// Counts and logs an event of unknown type; `false` for every other event.
+    fn skip_unknown(&self, ev: &Event) -> bool {
+        let EventKind::Unknown(t) = ev.kind else {
+            return false;
+        };
+        self.metrics
+            .count_skipped(SkipReason::UnknownType(t).reason());
+        tracing::debug!(engine = %ev.engine, kind = t, "skipping event of unknown type");
+        true
+    }
+
+    fn send(&self, work: Vec<ShardWork>) {
+        for (tx, w) in self.senders.iter().zip(work) {
+            if !w.events.is_empty() || !w.delivered.is_empty() {
                 // A send fails only if the worker died, which it does only on shutdown.
-                let _ = tx.send(Msg::Events(batch));
+                let _ = tx.send(Msg::Work(w));
             }
         }
     }
 
-    /// Decodes one payload and submits its events; bad input is counted and logged with its
-    /// position, never fatal. Returns how many events were submitted.
+    /// Routes `events` (in source order, without source positions) to their shards. Blocks
+    /// while a shard's queue is full.
+    pub fn submit(&self, events: Vec<Event>) {
+        let mut work: Vec<ShardWork> = (0..self.senders.len())
+            .map(|_| ShardWork::default())
+            .collect();
+        for ev in events {
+            if self.skip_unknown(&ev) {
+                continue;
+            }
+            self.index.learn_block_size(&ev);
+            work[self.index.route(&ev)].events.push(ev);
+        }
+        self.send(work);
+    }
+
+    /// Decodes one payload; bad input is counted and logged with its position, never fatal.
+    fn decode(
+        &self,
+        payload: &[u8],
+        env: &Envelope<'_>,
+        opts: &DecodeOptions,
+        pos: &Position<'_>,
+    ) -> Vec<Event> {
+        match decode_payload(payload, env, opts) {
+            Ok(Decoded { events, skipped }) => {
+                for e in &skipped {
+                    self.metrics.count_malformed(e.reason());
+                    tracing::warn!(source = pos.source, partition = pos.partition, offset = pos.offset, error = %e, "event dropped");
+                }
+                events
+            }
+            Err(e) => {
+                self.metrics.count_malformed(e.reason());
+                tracing::warn!(source = pos.source, partition = pos.partition, offset = pos.offset, bytes = payload.len(), error = %e, "payload skipped");
+                Vec::new()
+            }
+        }
+    }
+
+    /// Decodes one payload and submits its events (no source position: nothing is skipped
+    /// as a duplicate). Returns how many events were submitted.
     pub fn ingest(
         &self,
         payload: &[u8],
@@ -112,22 +257,99 @@ impl Pipeline {
         opts: &DecodeOptions,
         pos: &Position<'_>,
     ) -> usize {
-        match decode_payload(payload, env, opts) {
-            Ok(Decoded { events, skipped }) => {
-                for e in &skipped {
-                    self.metrics.count_malformed(e.reason());
-                    tracing::warn!(source = pos.source, partition = pos.partition, offset = pos.offset, error = %e, "event dropped");
+        let events = self.decode(payload, env, opts, pos);
+        let n = events.len();
+        self.submit(events);
+        n
+    }
+
+    /// Decodes a batch of messages of `source` and routes their events with their positions.
+    /// Before the first batch of a source partition in this process its shard rows are begun
+    /// in the store; if that fails nothing is routed and the error is returned (retry the
+    /// same batch).
+    pub fn ingest_batch(
+        &self,
+        source: &str,
+        messages: &[Message],
+        opts: &DecodeOptions,
+    ) -> Result<BatchStats, StoreError> {
+        self.begin_partitions(source, messages)?;
+        let shards = self.senders.len();
+        let mut work: Vec<ShardWork> = (0..shards).map(|_| ShardWork::default()).collect();
+        let mut delivered: Vec<(PartId, i64)> = Vec::new();
+        let mut last: Option<(i32, PartId)> = None;
+        let mut before = vec![0usize; shards];
+        let mut stats = BatchStats::default();
+        for msg in messages {
+            let part = match last {
+                Some((p, id)) if p == msg.partition => id,
+                _ => self.progress.id(source, msg.partition),
+            };
+            last = Some((msg.partition, part));
+            let env = Envelope {
+                engine: msg.engine.as_deref(),
+                model: msg.model.as_deref(),
+                tenant: msg.tenant.as_deref(),
+            };
+            let pos = Position {
+                source,
+                partition: msg.partition.into(),
+                offset: msg.offset,
+            };
+            for (b, w) in before.iter_mut().zip(&work) {
+                *b = w.events.len();
+            }
+            for ev in self.decode(&msg.payload, &env, opts, &pos) {
+                if self.skip_unknown(&ev) {
+                    continue;
                 }
-                let n = events.len();
-                self.submit(events);
-                n
+                self.index.learn_block_size(&ev);
+                work[self.index.route(&ev)].events.push(ev);
+                stats.events += 1;
             }
-            Err(e) => {
-                self.metrics.count_malformed(e.reason());
-                tracing::warn!(source = pos.source, partition = pos.partition, offset = pos.offset, bytes = payload.len(), error = %e, "payload skipped");
-                0
+            for (w, &b) in work.iter_mut().zip(&before) {
+                if w.events.len() > b {
+                    w.spans.push(Span {
+                        part,
+                        offset: msg.offset,
+                        end: w.events.len(),
+                    });
+                }
             }
+            match delivered.iter_mut().find(|(p, _)| *p == part) {
+                Some((_, next)) => *next = (*next).max(msg.offset + 1),
+                None => delivered.push((part, msg.offset + 1)),
+            }
+            stats.messages += 1;
         }
+        for w in &mut work {
+            w.delivered.clone_from(&delivered);
+        }
+        self.send(work);
+        Ok(stats)
+    }
+
+    /// `Store::begin_partition` for each source partition of `messages` not begun yet in this
+    /// process, at its first message's offset.
+    fn begin_partitions(&self, source: &str, messages: &[Message]) -> Result<(), StoreError> {
+        let Some(store) = &self.store else {
+            return Ok(());
+        };
+        let mut seen: Vec<i32> = Vec::new();
+        for msg in messages {
+            if seen.contains(&msg.partition) {
+                continue;
+            }
+            seen.push(msg.partition);
+            let p = self.progress.get(self.progress.id(source, msg.partition));
+            if p.begun.load(Acquire) {
+                continue;
+            }
+            store.begin_partition(source, msg.partition, msg.offset)?;
+            p.begin_at(msg.offset);
+            p.begun.store(true, Release);
+        }
+        Ok(())
     }
 
     /// Waits until every event submitted before this call is applied.
@@ -146,6 +368,74 @@ impl Pipeline {
             }
         }
     }
+
+    /// Applies everything submitted so far and commits every shard now. `true` if every
+    /// commit succeeded (always, without a store).
+    pub fn persist(&self) -> bool {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let mut pending = 0;
+        for s in &self.senders {
+            if s.send(Msg::Persist(tx.clone())).is_ok() {
+                pending += 1;
+            }
+        }
+        drop(tx);
+        let mut ok = true;
+        for _ in 0..pending {
+            ok &= rx.recv().unwrap_or(false);
+        }
+        ok
+    }
+
+    /// Abandons the checkpoint of (source, partition): everything applied is committed, every
+    /// shard forgets its floor, and the stored rows are deleted, so the partition's next batch
+    /// starts it afresh (`reset_on_divergence`: the log it resumes from has other offsets).
+    pub fn forget_partition(&self, source: &str, partition: i32) -> Result<(), StoreError> {
+        let id = self.progress.id(source, partition);
+        self.persist();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let mut pending = 0;
+        for s in &self.senders {
+            if s.send(Msg::Forget(id, tx.clone())).is_ok() {
+                pending += 1;
+            }
+        }
+        drop(tx);
+        for _ in 0..pending {
+            let _ = rx.recv();
+        }
+        if let Some(store) = &self.store {
+            store.forget_partition(source, partition)?;
+        }
+        self.progress.get(id).begun.store(false, Release);
+        Ok(())
+    }
+}
+
+/// Sources position their partitions from the store's durable offsets, and have everything
+/// applied persisted before they release a partition.
+impl Checkpoints for Pipeline {
+    fn next_offset(&self, source: &str, partition: i32) -> Option<i64> {
+        let store = self.store.as_ref()?;
+        match store.next_offset(source, partition) {
+            Ok(o) => o,
+            Err(e) => {
+                // Positioning from the configured start could re-apply or skip events; a
+                // store that cannot be read is reported and treated as "no checkpoint" only
+                // by the source's own divergence checks, so log loudly.
+                tracing::error!(source, partition, error = %e, "cannot read the stored offset");
+                None
+            }
+        }
+    }
+
+    fn persist_now(&self) {
+        if !self.persist() {
+            tracing::warn!(
+                "persisting before a partition is released failed; the next owner re-reads from the last durable offset"
+            );
+        }
+    }
 }
 
 impl Drop for Pipeline {
@@ -157,28 +447,217 @@ impl Drop for Pipeline {
     }
 }
 
-fn run_worker(shard: usize, rx: Receiver<Msg>, index: &Index, metrics: &Metrics) {
-    while let Ok(msg) = rx.recv() {
-        match msg {
-            Msg::Events(batch) => {
-                let now = now_us();
-                let mut guard = index.shard(shard).write();
-                for ev in &batch {
-                    match guard.apply(ev, now) {
-                        Ok(ops) => {
-                            if let Some(slot) = kind_slot(ev.kind) {
-                                metrics.count_applied(slot, ops);
-                            }
-                        }
-                        Err(reason) => {
-                            metrics.count_skipped(reason.reason());
-                            tracing::warn!(shard, engine = %ev.engine, model = %ev.partition.model, adapter = %ev.partition.adapter, reason = reason.reason(), error = %reason, "event not applied");
-                        }
-                    }
+/// One shard's worker: applies its share of every batch, skips duplicates, commits.
+struct Worker {
+    shard: usize,
+    index: Arc<Index>,
+    metrics: Arc<Metrics>,
+    store: Option<Arc<Store>>,
+    progress: Arc<Progress>,
+    policy: CommitPolicy,
+    /// Next offset applied, by [`PartId`] ([`NONE`]: nothing).
+    floors: Vec<i64>,
+    /// Partitions whose floor changed since the last commit.
+    dirty: Vec<PartId>,
+    applied_since_commit: u64,
+    next_commit: Instant,
+    last_warn: Option<Instant>,
+}
+
+impl Worker {
+    fn new(
+        shard: usize,
+        index: Arc<Index>,
+        metrics: Arc<Metrics>,
+        store: Option<Arc<Store>>,
+        progress: Arc<Progress>,
+        policy: CommitPolicy,
+    ) -> Worker {
+        let mut w = Worker {
+            shard,
+            index,
+            metrics,
+            store,
+            progress,
+            policy,
+            floors: Vec::new(),
+            dirty: Vec::new(),
+            applied_since_commit: 0,
+            next_commit: Instant::now() + policy.interval,
+            last_warn: None,
+        };
+        // Floors restored from the store (Progress::restore) before the workers started.
+        for id in 0..w.progress.len() as PartId {
+            let next = w.progress.get(id).applied_at(shard);
+            if next != NONE {
+                *w.floor_mut(id) = next;
+            }
+        }
+        w
+    }
+
+    fn floor_mut(&mut self, part: PartId) -> &mut i64 {
+        let i = part as usize;
+        if self.floors.len() <= i {
+            self.floors.resize(i + 1, NONE);
+        }
+        &mut self.floors[i]
+    }
+
+    fn mark_dirty(&mut self, part: PartId) {
+        if !self.dirty.contains(&part) {
+            self.dirty.push(part);
+        }
+    }
+
+    fn run(&mut self, rx: Receiver<Msg>) {
+        loop {
+            let msg = if self.store.is_some() {
+                let wait = self.next_commit.saturating_duration_since(Instant::now());
+                match rx.recv_timeout(wait) {
+                    Ok(m) => Some(m),
+                    Err(RecvTimeoutError::Timeout) => None,
+                    Err(RecvTimeoutError::Disconnected) => break,
+                }
+            } else {
+                match rx.recv() {
+                    Ok(m) => Some(m),
+                    Err(_) => break,
+                }
+            };
+            match msg {
+                Some(Msg::Work(w)) => self.apply(w),
+                Some(Msg::Barrier(ack)) => {
+                    let _ = ack.send(());
+                }
+                Some(Msg::Persist(ack)) => {
+                    let ok = self.commit();
+                    let _ = ack.send(ok);
+                }
+                Some(Msg::Forget(part, ack)) => {
+                    *self.floor_mut(part) = NONE;
+                    self.dirty.retain(|&p| p != part);
+                    let p = self.progress.get(part);
+                    p.set_applied(self.shard, NONE);
+                    p.set_durable(self.shard, NONE);
+                    let _ = ack.send(());
+                }
+                None => {}
+            }
+            if self.store.is_some()
+                && (Instant::now() >= self.next_commit
+                    || self.applied_since_commit >= self.policy.max_events)
+            {
+                self.commit();
+            }
+        }
+        // Shutdown: make what was applied durable.
+        self.commit();
+    }
+
+    fn apply(&mut self, work: ShardWork) {
+        let now = now_us();
+        let index = self.index.clone();
+        let mut guard = index.shard(self.shard).write();
+        if work.spans.is_empty() {
+            for ev in &work.events {
+                self.apply_one(&mut guard, ev, now);
+            }
+        }
+        let mut start = 0;
+        for span in &work.spans {
+            let events = &work.events[start..span.end];
+            start = span.end;
+            let p = self.progress.get(span.part);
+            let floor = self.floor_mut(span.part);
+            if span.offset < *floor {
+                let n = events.len() as u64;
+                p.duplicates.fetch_add(n, Relaxed);
+                self.metrics.count_duplicates(n);
+                continue;
+            }
+            *floor = span.offset + 1;
+            for ev in events {
+                self.apply_one(&mut guard, ev, now);
+            }
+            p.events_applied.fetch_add(events.len() as u64, Relaxed);
+            self.applied_since_commit += events.len() as u64;
+        }
+        drop(guard);
+        for &(part, next) in &work.delivered {
+            let floor = self.floor_mut(part);
+            if next > *floor {
+                *floor = next;
+            }
+            let value = *floor;
+            self.mark_dirty(part);
+            self.progress.get(part).set_applied(self.shard, value);
+        }
+    }
+
+    fn apply_one(&self, shard: &mut crate::index::Shard, ev: &Event, now: i64) {
+        match shard.apply(ev, now) {
+            Ok(ops) => {
+                if let Some(slot) = kind_slot(ev.kind) {
+                    self.metrics.count_applied(slot, ops);
                 }
             }
-            Msg::Barrier(ack) => {
-                let _ = ack.send(());
+            Err(reason) => {
+                self.metrics.count_skipped(reason.reason());
+                tracing::warn!(shard = self.shard, engine = %ev.engine, model = %ev.partition.model, adapter = %ev.partition.adapter, reason = reason.reason(), error = %reason, "event not applied");
+            }
+        }
+    }
+
+    /// Commits the shard's changes and dirty floors in one batch. `true` on success or when
+    /// there was nothing to commit.
+    fn commit(&mut self) -> bool {
+        self.next_commit = Instant::now() + self.policy.interval;
+        self.applied_since_commit = 0;
+        let Some(store) = self.store.clone() else {
+            return true;
+        };
+        let changes = {
+            let mut shard = self.index.shard(self.shard).write();
+            if !shard.has_changes() && self.dirty.is_empty() {
+                return true;
+            }
+            shard.take_changes()
+        };
+        let parts: Vec<_> = self
+            .dirty
+            .iter()
+            .map(|&id| (id, self.progress.get(id)))
+            .collect();
+        let offsets: Vec<(String, i32, i64)> = parts
+            .iter()
+            .map(|(id, p)| (p.source.to_string(), p.partition, self.floors[*id as usize]))
+            .filter(|o| o.2 != NONE)
+            .collect();
+        let started = Instant::now();
+        match store.commit(self.shard as u16, &changes, &offsets) {
+            Ok(()) => {
+                for (id, p) in &parts {
+                    p.set_durable(self.shard, self.floors[*id as usize]);
+                }
+                self.dirty.clear();
+                self.metrics.observe_commit(started.elapsed());
+                true
+            }
+            Err(e) => {
+                self.index
+                    .shard(self.shard)
+                    .write()
+                    .requeue_changes(&changes);
+                self.metrics.count_commit_failure();
+                if self
+                    .last_warn
+                    .is_none_or(|t| t.elapsed() >= COMMIT_WARN_EVERY)
+                {
+                    self.last_warn = Some(Instant::now());
+                    tracing::error!(shard = self.shard, error = %e, "commit to the store failed; retrying (nothing is acknowledged upstream until it succeeds)");
+                }
+                false
             }
         }
     }

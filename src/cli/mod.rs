@@ -2,4 +2,5 @@
 
 pub mod bench;
 pub mod produce;
+pub mod replay;
 pub mod serve;

@@ -1,17 +1,20 @@
-//! `kvindex serve` and `kvindex demo`: wiring the index, the apply pipeline and the HTTP API
-//! into one running service.
+//! `kvindex serve` and `kvindex demo`: the durable index, its source and the HTTP API in one
+//! running service. The assembly lives in the library (`kvindex::service`); this file parses
+//! flags, prints what a user needs, and handles shutdown.
 
 use anyhow::Context;
-use kvindex::api::{self, AppState};
-use kvindex::config::{Config, Overrides};
-use kvindex::index::{Index, QueryBlocks};
-use kvindex::metrics::Metrics;
-use kvindex::pipeline::Pipeline;
+use kvindex::api;
+use kvindex::config::{Config, Overrides, SourceKind};
+use kvindex::event::encode;
+use kvindex::index::QueryBlocks;
+use kvindex::ingest::{Ingest, SourceReport};
 use kvindex::produce::{Fleet, FleetConfig};
+use kvindex::service::{Service, SourceSetup, StartOptions};
+use kvindex::source::{EmbeddedBroker, KafkaPublisher};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 #[derive(clap::Args, Debug)]
 pub struct ServeArgs {
@@ -24,6 +27,11 @@ pub struct ServeArgs {
     /// HTTP listen address (overrides `http.listen`).
     #[arg(long)]
     pub listen: Option<String>,
+    /// When a stored offset no longer fits the log (topic recreated, events deleted, stream
+    /// purged), abandon it and restart the partition from `source.kafka.start` / the stream's
+    /// first sequence, instead of stopping that partition with an error.
+    #[arg(long)]
+    pub reset_on_divergence: bool,
 }
 
 #[derive(clap::Args, Debug)]
@@ -47,15 +55,6 @@ pub struct DemoArgs {
     pub seed: u64,
 }
 
-/// The running pieces shared by `serve` and `demo`.
-struct Service {
-    config: Config,
-    index: Arc<Index>,
-    metrics: Arc<Metrics>,
-    pipeline: Arc<Pipeline>,
-    ready: Arc<AtomicBool>,
-}
-
 fn load_config(args: &ServeArgs) -> anyhow::Result<Config> {
     let overrides = Overrides {
         data_dir: args.data_dir.clone(),
@@ -66,32 +65,72 @@ fn load_config(args: &ServeArgs) -> anyhow::Result<Config> {
         .context("invalid configuration")
 }
 
-fn start(config: Config) -> Service {
-    let index = Arc::new(Index::new(config.index_config()));
-    let metrics = Arc::new(Metrics::new());
-    let pipeline = Arc::new(Pipeline::start(index.clone(), metrics.clone()));
-    Service {
-        config,
-        index,
-        metrics,
-        pipeline,
-        ready: Arc::new(AtomicBool::new(false)),
+/// The service with its source running, as `serve` and `demo` run it.
+struct Running {
+    service: Service,
+    ingest: Option<Ingest>,
+    report: Arc<SourceReport>,
+    /// Kept alive as long as the source (dropped after it).
+    embedded: Option<EmbeddedBroker>,
+}
+
+impl Running {
+    fn start(config: Config, reset_on_divergence: bool) -> anyhow::Result<Running> {
+        let opts = StartOptions {
+            reset_on_divergence,
+        };
+        let setup = SourceSetup::from_config(&config, &opts).context("starting the source")?;
+        if let Some(b) = &setup.embedded {
+            println!(
+                "embedded Kafka broker on {} (topic `{}`, {} partitions). It keeps its log in \
+                 memory: the log is lost on restart, the index is not.",
+                b.bootstrap_servers(),
+                b.topic(),
+                b.partitions()
+            );
+        }
+        let service = Service::open(config, setup.forget_on_start().as_deref())
+            .context("opening the durable index")?;
+        println!(
+            "index loaded from {} in {} ms: {} blocks, {} memberships, {} engines",
+            kvindex::service::store_dir(&service.config).display(),
+            service.load_time.as_millis(),
+            service.loaded.blocks,
+            service.loaded.memberships,
+            service.loaded.engines
+        );
+        let (ingest, report) = service
+            .start_ingest(setup.spec.clone(), setup.bootstrap())
+            .context("starting the ingest loop")?;
+        Ok(Running {
+            service,
+            ingest: Some(ingest),
+            report,
+            embedded: setup.embedded,
+        })
+    }
+
+    /// Stops the source (which persists and acknowledges what was applied), then the broker;
+    /// the shard workers make a last commit when the service is dropped.
+    fn stop(mut self) {
+        if let Some(i) = self.ingest.take() {
+            i.stop();
+        }
+        drop(self.embedded.take());
     }
 }
 
 async fn run_http(
-    service: &Service,
+    running: &Running,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
+    let service = &running.service;
     let listen = &service.config.http.listen;
     let listener = tokio::net::TcpListener::bind(listen)
         .await
         .with_context(|| format!("binding http.listen {listen}"))?;
     let addr = listener.local_addr()?;
-    let mut state = AppState::new(service.index.clone(), service.metrics.clone());
-    state.ready = service.ready.clone();
-    state.default_block_size = service.config.index.default_block_size;
-    state.max_body_bytes = service.config.http.max_body_bytes;
+    let state = service.app_state(Some(running.report.clone()));
     tracing::info!(%addr, shards = service.index.shard_count(), "kvindex listening");
     println!("kvindex listening on http://{addr}");
     api::serve(listener, state, shutdown)
@@ -120,16 +159,51 @@ async fn shutdown_signal() {
 
 pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let config = load_config(&args)?;
-    let service = start(config);
-    // Sources arrive with the sources work; until then the index is ready as soon as it is up.
-    service.ready.store(true, Ordering::Relaxed);
-    run_http(&service, shutdown_signal()).await
+    let running = Running::start(config, args.reset_on_divergence)?;
+    let result = run_http(&running, shutdown_signal()).await;
+    running.stop();
+    result
+}
+
+/// Publishes one simulated request's events to the embedded broker, one protobuf payload per
+/// engine, keyed by engine id.
+async fn publish(
+    publisher: &KafkaPublisher,
+    events: &[kvindex::event::Event],
+) -> anyhow::Result<usize> {
+    let mut n = 0;
+    for run in events.chunk_by(|a, b| a.engine == b.engine) {
+        publisher
+            .send(Some(&run[0].engine), &[], &encode::to_proto(run))
+            .await?;
+        n += run.len();
+    }
+    Ok(n)
+}
+
+/// Waits (up to `limit`) until the index has applied `events` events.
+async fn wait_applied(running: &Running, events: u64, limit: Duration) {
+    let until = Instant::now() + limit;
+    while running.service.metrics.applied_total() < events && Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 pub async fn demo(args: DemoArgs) -> anyhow::Result<()> {
-    let config = load_config(&args.serve)?;
-    let service = start(config);
-    service.ready.store(true, Ordering::Relaxed);
+    let mut config = load_config(&args.serve)?;
+    // The demo is the embedded default: a fleet producing into the in-process broker.
+    config.source.kind = SourceKind::Embedded;
+    let running = Running::start(config, false)?;
+    let bootstrap = running
+        .embedded
+        .as_ref()
+        .map(EmbeddedBroker::bootstrap_servers)
+        .context("the demo needs the embedded broker")?;
+    let publisher = KafkaPublisher::new(
+        &bootstrap,
+        &running.service.config.source.kafka.topic,
+        &Default::default(),
+    )?;
     let fleet_cfg = FleetConfig {
         engines: args.engines,
         adapters: args.adapters,
@@ -137,12 +211,17 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<()> {
         ..FleetConfig::default()
     };
     let mut fleet = Fleet::new(fleet_cfg);
-    // Warm the index so the first curl already finds prefixes.
+    // Warm the index through the broker so the first curl already finds prefixes.
+    let already = running.service.metrics.applied_total();
+    let mut produced = 0;
     for _ in 0..2_000 {
-        service.pipeline.submit(fleet.next_request());
+        produced += publish(&publisher, &fleet.next_request()).await?;
     }
-    service.pipeline.flush();
+    publisher.flush(Duration::from_secs(30)).await?;
+    wait_applied(&running, already + produced as u64, Duration::from_secs(60)).await;
+
     // Show a query whose answer is interesting: engines holding prefixes of different lengths.
+    let index = &running.service.index;
     let block_size = FleetConfig::default().block_size;
     let (partition, tokens) = (0..64)
         .map(|_| fleet.sample_query())
@@ -151,26 +230,28 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<()> {
                 token_ids: tokens.clone(),
                 block_size,
             };
-            let (_, rows) = service.index.lookup(partition, &blocks);
+            let (_, rows) = index.lookup(partition, &blocks);
             let distinct: std::collections::BTreeSet<u32> =
                 rows.iter().map(|r| r.matched_blocks).collect();
             (distinct.len(), rows.len())
         })
         .unwrap_or_default();
-    let listen = service.config.http.listen.clone();
+    let config = &running.service.config;
+    let listen = config.http.listen.clone();
     let query = serde_json::json!({
         "model": partition.model, "tenant": partition.tenant, "adapter": partition.adapter,
         "token_ids": tokens,
     });
     // The query is thousands of tokens: write it to a file for `curl -d @file`.
-    let data_dir = &service.config.data_dir;
+    let data_dir = &config.data_dir;
     std::fs::create_dir_all(data_dir)
         .with_context(|| format!("creating data_dir {}", data_dir.display()))?;
     let query_file = data_dir.join("demo-query.json");
     std::fs::write(&query_file, serde_json::to_vec_pretty(&query)?)
         .with_context(|| format!("writing {}", query_file.display()))?;
     println!(
-        "\nkvindex demo: {} engines, {} adapters, {} requests/s of simulated traffic",
+        "\nkvindex demo: {} engines, {} adapters, {} requests/s of simulated traffic, produced \
+         to the embedded broker on {bootstrap}",
         args.engines, args.adapters, args.rate
     );
     println!("Try:");
@@ -182,22 +263,22 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<()> {
     println!("  curl -s http://{listen}/v1/engines");
     println!("  curl -s http://{listen}/metrics\n");
 
-    let pipeline = service.pipeline.clone();
     let stop = Arc::new(AtomicBool::new(false));
     let producer = {
         let stop = stop.clone();
         let rate = args.rate.max(1);
-        std::thread::spawn(move || {
-            let tick = Duration::from_millis(100);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_millis(100));
             let per_tick = rate.div_ceil(10);
             while !stop.load(Ordering::Relaxed) {
-                let mut batch = Vec::new();
+                tick.tick().await;
                 for _ in 0..per_tick {
-                    batch.extend(fleet.next_request());
+                    if let Err(e) = publish(&publisher, &fleet.next_request()).await {
+                        tracing::warn!(error = %e, "demo fleet: publishing failed");
+                    }
                 }
-                pipeline.submit(batch);
-                std::thread::sleep(tick);
             }
+            let _ = publisher.flush(Duration::from_secs(5)).await;
         })
     };
     let seconds = args.seconds;
@@ -208,8 +289,9 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<()> {
             shutdown_signal().await;
         }
     };
-    let result = run_http(&service, shutdown).await;
+    let result = run_http(&running, shutdown).await;
     stop.store(true, Ordering::Relaxed);
-    let _ = producer.join();
+    let _ = producer.await;
+    running.stop();
     result
 }

@@ -144,6 +144,8 @@ struct State {
     last_assign_attempt: Option<Instant>,
     ephemeral_logged: bool,
     last_warn: Option<Instant>,
+    /// Partitions whose checkpoint was abandoned (`reset_on_divergence`), not yet taken.
+    resets: Vec<i32>,
 }
 
 /// What the source knows and decides; shared by the consumer context (rebalance callback), the
@@ -228,6 +230,7 @@ impl Shared {
                 Resolution::At(low)
             }
             _ if self.reset_on_divergence => {
+                self.state.lock().resets.push(partition);
                 tracing::warn!(
                     topic,
                     partition,
@@ -725,6 +728,13 @@ impl KafkaSource {
     pub fn high_watermarks_at_start(&self) -> Vec<(i32, i64)> {
         let st = self.inner.shared.state.lock();
         st.high_at_start.iter().map(|(&p, &h)| (p, h)).collect()
+    }
+
+    /// Partitions whose checkpoint was abandoned by `reset_on_divergence` since the last call.
+    /// The caller must forget what it has applied of them (their offsets now belong to a
+    /// different log) before it applies their next messages.
+    pub fn take_resets(&self) -> Vec<i32> {
+        std::mem::take(&mut self.inner.shared.state.lock().resets)
     }
 
     /// Partitions stopped because their checkpoint diverged from the log, since creation.

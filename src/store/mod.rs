@@ -443,6 +443,46 @@ impl Store {
         Ok(wrote)
     }
 
+    /// Deletes every shard's row for (source, partition), in one batch: the partition is
+    /// forgotten, as if never checkpointed. Used when a checkpoint is abandoned
+    /// (`reset_on_divergence`): the pipeline first makes sure no shard has an uncommitted row
+    /// for it, and the next batch of the partition calls [`Store::begin_partition`] again.
+    pub fn forget_partition(&self, source: &str, partition: i32) -> Result<(), StoreError> {
+        let cf = self.cf(CF_OFFSETS)?;
+        let mut batch = WriteBatch::default();
+        let mut key = Vec::with_capacity(8 + source.len());
+        for shard in 0..self.shards {
+            offset_key(shard, source, partition, &mut key);
+            batch.delete_cf(cf, &key);
+        }
+        Ok(self.db.write_opt(batch, &self.write_opts)?)
+    }
+
+    /// Deletes every row of `source` (all partitions, all shards), in one batch; returns how
+    /// many there were. The embedded broker's log is new on every start, so its old offsets
+    /// mean nothing: they are forgotten before the shards load their skip tables.
+    pub fn forget_source(&self, source: &str) -> Result<usize, StoreError> {
+        let mut keys = Vec::new();
+        for shard in 0..self.shards {
+            for (s, partition, _) in self.shard_offsets(shard)? {
+                if s == source {
+                    let mut key = Vec::new();
+                    offset_key(shard, source, partition, &mut key);
+                    keys.push(key);
+                }
+            }
+        }
+        if !keys.is_empty() {
+            let cf = self.cf(CF_OFFSETS)?;
+            let mut batch = WriteBatch::default();
+            for k in &keys {
+                batch.delete_cf(cf, k);
+            }
+            self.db.write_opt(batch, &self.write_opts)?;
+        }
+        Ok(keys.len())
+    }
+
     /// Rebuilds `shard`'s in-memory state into `into` (an empty shard) from its rows: blocks
     /// with their holders and tiers, engine maps, engines (liveness, partitions) and partition
     /// counters, so lookups, stats and engines after a restart equal those before it. Enable

@@ -1,0 +1,295 @@
+//! The running service, assembled from a [`Config`]: the durable store, the index warm-loaded
+//! from it, the apply pipeline, and the source feeding it. `kvindex serve`, `demo` and
+//! `replay` all start here; the HTTP API is put on top by the binary.
+//!
+//! Start order matters for warm restarts:
+//! 1. open RocksDB (`<data_dir>/index`), checking shard count and seed;
+//! 2. with the embedded broker, forget its old offsets (its log is new on every start);
+//! 3. load every shard's rows in parallel and restore each shard's offsets, so lookups are
+//!    answered from durable state at once, however long the topic's history is;
+//! 4. start the shard workers, then the source, which resumes from the stored offsets.
+
+use crate::api::AppState;
+use crate::checkpoint::Progress;
+use crate::config::{Config, SourceKind};
+use crate::index::Index;
+use crate::ingest::{Ingest, IngestContext, SourceReport, SourceSpec};
+use crate::metrics::Metrics;
+use crate::pipeline::{CommitPolicy, Pipeline};
+use crate::source::{
+    Checkpoints, EmbeddedBroker, KafkaSettings, SourceError, embedded, nats::NatsSettings,
+};
+use crate::store::{LoadStats, Store, StoreError, StoreOptions};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::time::{Duration, Instant};
+
+/// Why the service could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum ServiceError {
+    #[error("store: {0}")]
+    Store(#[from] StoreError),
+    #[error("source: {0}")]
+    Source(#[from] SourceError),
+    #[error("configuration: {0}")]
+    Config(#[from] crate::config::ConfigError),
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Options that come from the command line rather than the config file.
+#[derive(Clone, Debug, Default)]
+pub struct StartOptions {
+    /// Abandon a diverged checkpoint and restart the partition from the configured start.
+    pub reset_on_divergence: bool,
+}
+
+/// The durable index: store, index, pipeline. Dropping it stops the shard workers after a
+/// last commit.
+pub struct Service {
+    pub config: Config,
+    pub index: Arc<Index>,
+    pub metrics: Arc<Metrics>,
+    pub store: Arc<Store>,
+    pub pipeline: Arc<Pipeline>,
+    pub ready: Arc<AtomicBool>,
+    /// What was loaded from disk at start, and how long it took.
+    pub loaded: LoadStats,
+    pub load_time: Duration,
+}
+
+/// The store directory inside `data_dir`.
+pub fn store_dir(config: &Config) -> PathBuf {
+    config.data_dir.join("index")
+}
+
+/// Opens the store; `index.shards = 0` (auto) adopts the shard count the store was written
+/// with, so a data dir moves between machines with different core counts.
+fn open_store(config: &Config) -> Result<Store, StoreError> {
+    let dir = store_dir(config);
+    std::fs::create_dir_all(&dir).map_err(|e| StoreError::Corrupt {
+        what: "data_dir",
+        detail: format!("cannot create {}: {e}", dir.display()),
+    })?;
+    let mut opts = StoreOptions {
+        shards: config.index_config().shards,
+        seed: config.index.seed,
+        sync: false,
+    };
+    match Store::open(&dir, &opts) {
+        Err(StoreError::ShardCountMismatch { stored, .. }) if config.index.shards == 0 => {
+            opts.shards = stored as usize;
+            Store::open(&dir, &opts)
+        }
+        other => other,
+    }
+}
+
+impl Service {
+    /// Opens the store and loads the index from it (steps 1–3 above). `forget_source` names a
+    /// source whose stored offsets are dropped first (the embedded broker's).
+    pub fn open(config: Config, forget_source: Option<&str>) -> Result<Service, ServiceError> {
+        let started = Instant::now();
+        let store = Arc::new(open_store(&config)?);
+        if let Some(source) = forget_source {
+            let n = store.forget_source(source)?;
+            if n > 0 {
+                tracing::info!(
+                    source,
+                    rows = n,
+                    "the embedded broker's log is new: its stored offsets are reset to the new log's start (the index is kept)"
+                );
+            }
+        }
+        let mut index_config = config.index_config();
+        index_config.shards = store.shards() as usize;
+        let index = Arc::new(Index::new(index_config));
+        let loaded = load(&store, &index)?;
+        let progress = Arc::new(Progress::new(index.shard_count()));
+        for shard in 0..store.shards() {
+            for (source, partition, next) in store.shard_offsets(shard)? {
+                progress.restore(shard as usize, &source, partition, next);
+            }
+        }
+        let metrics = Arc::new(Metrics::new());
+        let policy = CommitPolicy {
+            interval: Duration::from_millis(config.checkpoint.interval_ms),
+            max_events: config.checkpoint.max_events,
+        };
+        let pipeline = Arc::new(Pipeline::start_durable(
+            index.clone(),
+            metrics.clone(),
+            store.clone(),
+            progress,
+            policy,
+        ));
+        let load_time = started.elapsed();
+        tracing::info!(
+            dir = %store.path().display(),
+            shards = index.shard_count(),
+            blocks = loaded.blocks,
+            memberships = loaded.memberships,
+            engines = loaded.engines,
+            load_ms = load_time.as_millis() as u64,
+            "index loaded from disk"
+        );
+        Ok(Service {
+            config,
+            index,
+            metrics,
+            store,
+            pipeline,
+            ready: Arc::new(AtomicBool::new(false)),
+            loaded,
+            load_time,
+        })
+    }
+
+    /// The HTTP API's state over this service (sources section and readiness from `report`).
+    pub fn app_state(&self, report: Option<Arc<SourceReport>>) -> AppState {
+        let mut state = AppState::new(self.index.clone(), self.metrics.clone());
+        state.ready = self.ready.clone();
+        state.default_block_size = self.config.index.default_block_size;
+        state.max_body_bytes = self.config.http.max_body_bytes;
+        if let Some(report) = report {
+            state.sources = Arc::new(move || report.to_json());
+        }
+        state
+    }
+
+    /// Starts the ingest loop for `spec`, resuming from the store's offsets.
+    pub fn start_ingest(
+        &self,
+        spec: SourceSpec,
+        bootstrap: Option<String>,
+    ) -> Result<(Ingest, Arc<SourceReport>), ServiceError> {
+        self.start_ingest_from(spec, bootstrap, self.pipeline.clone())
+    }
+
+    /// Starts the ingest loop for `spec`, positioning partitions from `checkpoints`.
+    pub fn start_ingest_from(
+        &self,
+        spec: SourceSpec,
+        bootstrap: Option<String>,
+        checkpoints: Arc<dyn Checkpoints>,
+    ) -> Result<(Ingest, Arc<SourceReport>), ServiceError> {
+        let report = Arc::new(SourceReport::new(
+            &spec,
+            bootstrap,
+            self.pipeline.progress().clone(),
+        ));
+        let ingest = Ingest::start(
+            spec,
+            IngestContext {
+                pipeline: self.pipeline.clone(),
+                checkpoints,
+                metrics: self.metrics.clone(),
+                decode: self.config.decode_options(),
+                report: report.clone(),
+                ready: self.ready.clone(),
+            },
+        )?;
+        Ok((ingest, report))
+    }
+}
+
+/// Loads every shard from the store in parallel, then turns change tracking on.
+fn load(store: &Store, index: &Index) -> Result<LoadStats, StoreError> {
+    let results: Vec<Result<LoadStats, StoreError>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..index.shard_count())
+            .map(|shard| {
+                s.spawn(move || {
+                    let mut guard = index.shard(shard).write();
+                    let stats = store.load_shard(shard as u16, &mut guard)?;
+                    guard.enable_change_tracking();
+                    Ok(stats)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(StoreError::Corrupt {
+                        what: "shard load",
+                        detail: "a loader thread panicked".into(),
+                    })
+                })
+            })
+            .collect()
+    });
+    let mut total = LoadStats::default();
+    for r in results {
+        let s = r?;
+        total.partitions += s.partitions;
+        total.engines += s.engines;
+        total.map_entries += s.map_entries;
+        total.blocks += s.blocks;
+        total.memberships += s.memberships;
+    }
+    Ok(total)
+}
+
+/// The configured source: an embedded broker (started here; keep it alive as long as the
+/// source) or an external Kafka / NATS.
+pub struct SourceSetup {
+    pub spec: SourceSpec,
+    pub embedded: Option<EmbeddedBroker>,
+}
+
+impl SourceSetup {
+    /// Builds the source of `config`, starting the embedded broker if that is the kind.
+    pub fn from_config(config: &Config, opts: &StartOptions) -> Result<SourceSetup, ServiceError> {
+        Ok(match config.source.kind {
+            SourceKind::Embedded => {
+                let topic = &config.source.kafka.topic;
+                let broker = EmbeddedBroker::start(topic, embedded::DEFAULT_PARTITIONS)?;
+                let mut settings = KafkaSettings::from_config(config)?;
+                settings.brokers = broker.bootstrap_servers();
+                settings.group_id = None;
+                settings.partitions = Some((0..broker.partitions()).collect());
+                settings.log_is_ephemeral = true;
+                settings.reset_on_divergence = opts.reset_on_divergence;
+                SourceSetup {
+                    spec: SourceSpec::Kafka {
+                        settings,
+                        embedded: true,
+                    },
+                    embedded: Some(broker),
+                }
+            }
+            SourceKind::Kafka => {
+                let mut settings = KafkaSettings::from_config(config)?;
+                settings.reset_on_divergence = opts.reset_on_divergence;
+                SourceSetup {
+                    spec: SourceSpec::Kafka {
+                        settings,
+                        embedded: false,
+                    },
+                    embedded: None,
+                }
+            }
+            SourceKind::Nats => {
+                let mut settings = NatsSettings::from_config(&config.source.nats);
+                settings.reset_on_divergence = opts.reset_on_divergence;
+                SourceSetup {
+                    spec: SourceSpec::Nats(settings),
+                    embedded: None,
+                }
+            }
+        })
+    }
+
+    /// The source whose stored offsets are meaningless at this start (the embedded log).
+    pub fn forget_on_start(&self) -> Option<String> {
+        self.embedded.as_ref().map(|_| self.spec.name())
+    }
+
+    pub fn bootstrap(&self) -> Option<String> {
+        match &self.spec {
+            SourceSpec::Kafka { settings, .. } => Some(settings.brokers.clone()),
+            SourceSpec::Nats(_) => None,
+        }
+    }
+}

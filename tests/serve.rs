@@ -1,0 +1,506 @@
+//! The real `kvindex serve` binary end to end: the embedded default, warm restarts, readiness,
+//! per-partition stats, Kafka commits after durability, divergence with and without
+//! `--reset-on-divergence`, broker faults, and NATS JetStream (at 127.0.0.1:4222; these
+//! tests fail if it is not running).
+
+mod support;
+
+use kvindex::event::{Event, PartitionKey, encode};
+use kvindex::index::{Index, IndexConfig};
+use kvindex::produce::{Fleet, FleetConfig};
+use kvindex::source::nats::NatsPublisher;
+use kvindex::source::{EmbeddedBroker, KafkaPublisher};
+use serde_json::{Value, json};
+use std::time::Duration;
+use support::*;
+
+const SEED: u64 = 0x6b76_696e_6465_7831;
+const START: Duration = Duration::from_secs(60);
+const CATCH_UP: Duration = Duration::from_secs(90);
+
+async fn publish(publisher: &KafkaPublisher, events: &[Event]) -> usize {
+    let mut n = 0;
+    for run in events.chunk_by(|a, b| a.engine == b.engine) {
+        publisher
+            .send(Some(&run[0].engine), &[], &encode::to_proto(run))
+            .await
+            .unwrap();
+        n += 1;
+    }
+    n
+}
+
+/// Produces `requests` fleet requests, applying them to `reference` too; returns messages.
+async fn produce(
+    publisher: &KafkaPublisher,
+    fleet: &mut Fleet,
+    reference: &Index,
+    requests: usize,
+) -> usize {
+    let mut messages = 0;
+    for _ in 0..requests {
+        let events = fleet.next_request();
+        for ev in &events {
+            let _ = reference.apply(ev, 0);
+        }
+        messages += publish(publisher, &events).await;
+    }
+    publisher.flush(Duration::from_secs(30)).await.unwrap();
+    messages
+}
+
+fn reference_index(shards: usize) -> Index {
+    Index::new(IndexConfig { shards, seed: SEED })
+}
+
+/// The lookup answer over HTTP, as sorted (engine, matched blocks) pairs.
+fn http_answer(kv: &Kvindex, partition: &PartitionKey, tokens: &[u32]) -> Vec<(String, u64)> {
+    let (status, body) = kv.post(
+        "/v1/lookup",
+        &json!({
+            "tenant": partition.tenant, "model": partition.model, "adapter": partition.adapter,
+            "token_ids": tokens, "block_size": 16,
+        }),
+    );
+    assert_eq!(status, 200, "{body}");
+    let mut rows: Vec<(String, u64)> = body["engines"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no engines in {body}"))
+        .iter()
+        .map(|r| {
+            (
+                r["engine_id"].as_str().unwrap().to_string(),
+                r["matched_blocks"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    rows.sort();
+    rows
+}
+
+fn reference_answer(index: &Index, partition: &PartitionKey, tokens: &[u32]) -> Vec<(String, u64)> {
+    let blocks = kvindex::index::QueryBlocks::Tokens {
+        token_ids: tokens.to_vec(),
+        block_size: 16,
+    };
+    let mut rows: Vec<_> = index
+        .lookup(partition, &blocks)
+        .1
+        .to_vec()
+        .into_iter()
+        .map(|m| (m.engine_id, m.matched_blocks as u64))
+        .collect();
+    rows.sort();
+    rows
+}
+
+/// Waits until the log shows at least `log_end` (see `caught_up`) and all of it is applied.
+fn wait_caught_up(kv: &Kvindex, log_end: usize) -> Value {
+    wait_for("kvindex to catch up", CATCH_UP, || {
+        let s = kv.stats();
+        caught_up(&s, log_end as i64).then_some(s)
+    })
+}
+
+fn sum(stats: &Value, field: &str) -> u64 {
+    stats["sources"]["partitions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p[field].as_u64().unwrap_or(0))
+        .sum()
+}
+
+fn blocking<T>(f: impl FnOnce() -> T) -> T {
+    tokio::task::block_in_place(f)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn embedded_default_consumes_answers_and_restarts_warm() {
+    let dir = tempfile::tempdir().unwrap();
+    let kv = blocking(|| spawn_kvindex(&["serve"], dir.path(), &[], START));
+    let bootstrap = kv
+        .bootstrap
+        .clone()
+        .expect("the embedded broker's address is printed");
+    let stats = kv.stats();
+    assert_eq!(stats["sources"]["kind"], "embedded");
+    assert_eq!(stats["sources"]["bootstrap_servers"], bootstrap.as_str());
+
+    let publisher = KafkaPublisher::new(&bootstrap, "kv-events", &Default::default()).unwrap();
+    let mut fleet = Fleet::new(FleetConfig::default());
+    let reference = reference_index(2);
+    let messages = produce(&publisher, &mut fleet, &reference, 300).await;
+    let stats = blocking(|| wait_caught_up(&kv, messages));
+    assert_eq!(
+        stats["sources"]["messages"].as_u64().unwrap() as usize,
+        messages
+    );
+    assert_eq!(sum(&stats, "duplicates_skipped"), 0);
+    let (status, ready) = kv.get("/readyz");
+    assert_eq!(status, 200, "{ready}");
+    let queries: Vec<_> = (0..16).map(|_| fleet.sample_query()).collect();
+    let before: Vec<_> = queries
+        .iter()
+        .map(|(p, t)| http_answer(&kv, p, t))
+        .collect();
+    let want: Vec<_> = queries
+        .iter()
+        .map(|(p, t)| reference_answer(&reference, p, t))
+        .collect();
+    assert_eq!(before, want, "HTTP answers differ from the reference index");
+    assert!(
+        before.iter().any(|a| !a.is_empty()),
+        "vacuous: nothing matched"
+    );
+    let memberships = stats["index"]["memberships"].clone();
+    let (_, metrics) = kv.get("/metrics");
+    let metrics = metrics.as_str().unwrap().to_string();
+    assert!(metrics.contains("kvindex_commits_total"), "{metrics}");
+    assert!(
+        metrics.contains("kvindex_source_lag{source=\"kafka:kv-events\",partition=\"0\"} 0"),
+        "{metrics}"
+    );
+    blocking(|| kv.terminate());
+
+    // Restart: a new, empty embedded log; the index answers from disk at once.
+    let kv = blocking(|| spawn_kvindex(&["serve"], dir.path(), &[], START));
+    let stats = kv.stats();
+    assert_eq!(stats["index"]["memberships"], memberships, "warm restart");
+    let after: Vec<_> = queries
+        .iter()
+        .map(|(p, t)| http_answer(&kv, p, t))
+        .collect();
+    assert_eq!(after, before, "answers after the restart differ");
+    // The new log's offsets start at 0 again and are not mistaken for duplicates.
+    let bootstrap = kv.bootstrap.clone().unwrap();
+    let publisher = KafkaPublisher::new(&bootstrap, "kv-events", &Default::default()).unwrap();
+    let messages = produce(&publisher, &mut fleet, &reference, 50).await;
+    let stats = blocking(|| wait_caught_up(&kv, messages));
+    assert_eq!(
+        stats["sources"]["messages"].as_u64().unwrap() as usize,
+        messages
+    );
+    assert_eq!(sum(&stats, "duplicates_skipped"), 0);
+    let (p, t) = fleet.sample_query();
+    assert_eq!(
+        http_answer(&kv, &p, &t),
+        reference_answer(&reference, &p, &t)
+    );
+    blocking(|| kv.terminate());
+}
+
+fn kafka_config(
+    dir: &std::path::Path,
+    broker: &EmbeddedBroker,
+    topic: &str,
+    group: &str,
+) -> String {
+    write_config(
+        dir,
+        &format!(
+            r#"
+[source]
+kind = "kafka"
+[source.kafka]
+brokers = "{}"
+topic = "{topic}"
+group_id = "{group}"
+[source.kafka.properties]
+"session.timeout.ms" = "6000"
+[index]
+shards = 2
+seed = {SEED}
+"#,
+            broker.bootstrap_servers()
+        ),
+    )
+}
+
+/// Offsets the group has committed, by partition.
+fn committed(broker: &EmbeddedBroker, topic: &str, group: &str, partitions: i32) -> Vec<i64> {
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+    let consumer: BaseConsumer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", broker.bootstrap_servers())
+        .set("group.id", group)
+        .create()
+        .unwrap();
+    let mut tpl = rdkafka::TopicPartitionList::new();
+    for p in 0..partitions {
+        tpl.add_partition(topic, p);
+    }
+    let got = consumer
+        .committed_offsets(tpl, Duration::from_secs(5))
+        .unwrap();
+    (0..partitions)
+        .map(|p| match got.find_partition(topic, p).map(|e| e.offset()) {
+            Some(rdkafka::Offset::Offset(o)) => o,
+            _ => -1,
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_group_commits_durable_offsets_and_rides_out_broker_faults() {
+    let topic = "kv-group";
+    let broker = EmbeddedBroker::start(topic, 2).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let config = kafka_config(dir.path(), &broker, topic, "kvindex-test");
+    let data = dir.path().join("data");
+    let kv = blocking(|| spawn_kvindex(&["serve", "--config", &config], &data, &[], START));
+    let publisher =
+        KafkaPublisher::new(&broker.bootstrap_servers(), topic, &Default::default()).unwrap();
+    let mut fleet = Fleet::new(FleetConfig::default());
+    let reference = reference_index(2);
+    let mut total = produce(&publisher, &mut fleet, &reference, 100).await;
+    let stats = blocking(|| wait_caught_up(&kv, total));
+    let highs: Vec<i64> = stats["sources"]["partitions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["high_watermark"].as_i64().unwrap())
+        .collect();
+    // The group's offsets follow the durable ones.
+    blocking(|| {
+        wait_for("the group commit", Duration::from_secs(20), || {
+            (committed(&broker, topic, "kvindex-test", 2) == highs).then_some(())
+        })
+    });
+
+    // The broker goes down: lookups keep being answered; production resumes when it is back.
+    broker.mock().broker_down(1).unwrap();
+    let (p, t) = fleet.sample_query();
+    let during = http_answer(&kv, &p, &t);
+    assert_eq!(during, reference_answer(&reference, &p, &t));
+    let (status, _) = kv.get("/readyz");
+    assert_eq!(status, 200, "ready stays latched through broker trouble");
+    // Another fleet's traffic (same engine names, new hash seeds, as after engine restarts).
+    let mut fleet2 = Fleet::new(FleetConfig {
+        seed: 9,
+        ..FleetConfig::default()
+    });
+    let pending: Vec<Vec<Event>> = (0..50).map(|_| fleet2.next_request()).collect();
+    let publisher2 =
+        KafkaPublisher::new(&broker.bootstrap_servers(), topic, &Default::default()).unwrap();
+    for events in &pending {
+        for ev in events {
+            let _ = reference.apply(ev, 0);
+        }
+        total += publish(&publisher2, events).await;
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        kv.get("/v1/stats").0,
+        200,
+        "stats answered while the broker is down"
+    );
+    broker.mock().broker_up(1).unwrap();
+    publisher2.flush(Duration::from_secs(60)).await.unwrap();
+    // Injected request errors on fetches are retried by the client.
+    broker.mock().request_errors(
+        rdkafka::types::RDKafkaApiKey::Fetch,
+        &[rdkafka::types::RDKafkaRespErr::RD_KAFKA_RESP_ERR_NOT_LEADER_FOR_PARTITION; 3],
+    );
+    total += produce(&publisher, &mut fleet, &reference, 20).await;
+    blocking(|| wait_caught_up(&kv, total));
+    for _ in 0..8 {
+        let (p, t) = fleet.sample_query();
+        assert_eq!(
+            http_answer(&kv, &p, &t),
+            reference_answer(&reference, &p, &t)
+        );
+    }
+    blocking(|| kv.terminate());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recreated_shorter_topic_is_a_divergence_unless_reset() {
+    let topic = "kv-diverge";
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let mut fleet = Fleet::new(FleetConfig::default());
+    {
+        let broker = EmbeddedBroker::start(topic, 1).unwrap();
+        let config = kafka_config(dir.path(), &broker, topic, "");
+        let publisher =
+            KafkaPublisher::new(&broker.bootstrap_servers(), topic, &Default::default()).unwrap();
+        let n = produce(&publisher, &mut fleet, &reference_index(2), 60).await;
+        let kv = blocking(|| spawn_kvindex(&["serve", "--config", &config], &data, &[], START));
+        blocking(|| wait_caught_up(&kv, n));
+        blocking(|| kv.terminate());
+    }
+    // The "topic" is recreated: a new broker whose log is shorter than the checkpoint.
+    let broker = EmbeddedBroker::start(topic, 1).unwrap();
+    let config = kafka_config(dir.path(), &broker, topic, "");
+    let publisher =
+        KafkaPublisher::new(&broker.bootstrap_servers(), topic, &Default::default()).unwrap();
+    let short = produce(&publisher, &mut fleet, &reference_index(2), 5).await;
+    let kv = blocking(|| spawn_kvindex(&["serve", "--config", &config], &data, &[], START));
+    let stats = blocking(|| {
+        wait_for("the divergence to be reported", CATCH_UP, || {
+            let s = kv.stats();
+            let d = &s["sources"]["partitions"][0]["divergence"];
+            (!d.is_null()).then_some(s)
+        })
+    });
+    let d = &stats["sources"]["partitions"][0]["divergence"];
+    assert_eq!(d["kind"], "ahead_of_log", "{d}");
+    assert_eq!(d["high_watermark"].as_u64().unwrap() as usize, short);
+    assert_eq!(stats["sources"]["divergences_total"], 1);
+    let (status, body) = kv.get("/readyz");
+    assert_eq!(status, 503, "{body}");
+    let (_, metrics) = kv.get("/metrics");
+    assert!(
+        metrics.as_str().unwrap().contains(&format!(
+            "kvindex_source_diverged{{source=\"kafka:{topic}\",partition=\"0\"}} 1"
+        )),
+        "{metrics}"
+    );
+    // Lookups are still answered from the durable state.
+    assert!(stats["index"]["memberships"].as_u64().unwrap() > 0);
+    blocking(|| kv.terminate());
+
+    // With --reset-on-divergence the partition restarts from the configured start.
+    let kv = blocking(|| {
+        spawn_kvindex(
+            &["serve", "--config", &config, "--reset-on-divergence"],
+            &data,
+            &[],
+            START,
+        )
+    });
+    let stats = blocking(|| wait_caught_up(&kv, short));
+    assert!(stats["sources"]["partitions"][0]["divergence"].is_null());
+    assert!(sum(&stats, "events_applied") as usize >= short);
+    assert_eq!(
+        sum(&stats, "duplicates_skipped"),
+        0,
+        "the new log is not mistaken for a replay"
+    );
+    assert_eq!(kv.get("/readyz").0, 200);
+    blocking(|| kv.terminate());
+}
+
+fn unique(prefix: &str) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    format!("{prefix}_{}_{nanos}", std::process::id())
+}
+
+async fn nats_publisher() -> NatsPublisher {
+    NatsPublisher::connect("nats://127.0.0.1:4222", true)
+        .await
+        .expect(
+            "NATS with JetStream must be running at 127.0.0.1:4222 (scripts/setup.sh starts it)",
+        )
+}
+
+async fn publish_nats(p: &mut NatsPublisher, subject_prefix: &str, events: &[Event]) -> usize {
+    let mut n = 0;
+    for run in events.chunk_by(|a, b| a.engine == b.engine) {
+        n += 1;
+        p.send(
+            &format!("{subject_prefix}.{}", run[0].engine),
+            &[],
+            encode::to_proto(run),
+        )
+        .await
+        .unwrap();
+    }
+    n
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_jetstream_end_to_end_with_restart_and_purge() {
+    let stream = unique("KVSERVE");
+    let prefix = format!("kvserve.{}", stream.to_lowercase());
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let config = write_config(
+        dir.path(),
+        &format!(
+            r#"
+[source]
+kind = "nats"
+[source.nats]
+url = "nats://127.0.0.1:4222"
+stream = "{stream}"
+subjects = ["{prefix}.>"]
+durable = "kvindex"
+[index]
+shards = 2
+seed = {SEED}
+"#
+        ),
+    );
+    let mut p = nats_publisher().await;
+    p.ensure_stream(&stream, &[format!("{prefix}.>")])
+        .await
+        .unwrap();
+    let mut fleet = Fleet::new(FleetConfig::default());
+    let reference = reference_index(2);
+    let mut sent = 0;
+    for _ in 0..100 {
+        let events = fleet.next_request();
+        for ev in &events {
+            let _ = reference.apply(ev, 0);
+        }
+        sent += publish_nats(&mut p, &prefix, &events).await;
+    }
+    p.flush().await.unwrap();
+    let kv = blocking(|| spawn_kvindex(&["serve", "--config", &config], &data, &[], START));
+    let stats = blocking(|| wait_caught_up(&kv, sent + 1));
+    assert_eq!(stats["sources"]["kind"], "nats");
+    assert_eq!(kv.get("/readyz").0, 200);
+    let queries: Vec<_> = (0..8).map(|_| fleet.sample_query()).collect();
+    for (part, t) in &queries {
+        assert_eq!(
+            http_answer(&kv, part, t),
+            reference_answer(&reference, part, t)
+        );
+    }
+    blocking(|| kv.kill9());
+
+    // Restart after kill -9: warm, resumes from the checkpoint, applies new messages.
+    for _ in 0..20 {
+        let events = fleet.next_request();
+        for ev in &events {
+            let _ = reference.apply(ev, 0);
+        }
+        sent += publish_nats(&mut p, &prefix, &events).await;
+    }
+    p.flush().await.unwrap();
+    let kv = blocking(|| spawn_kvindex(&["serve", "--config", &config], &data, &[], START));
+    blocking(|| wait_caught_up(&kv, sent + 1));
+    for (part, t) in &queries {
+        assert_eq!(
+            http_answer(&kv, part, t),
+            reference_answer(&reference, part, t)
+        );
+    }
+    blocking(|| kv.terminate());
+
+    // Unread messages purged while kvindex was down: reported as events deleted.
+    for _ in 0..10 {
+        publish_nats(&mut p, &prefix, &fleet.next_request()).await;
+    }
+    p.flush().await.unwrap();
+    let js = async_nats::jetstream::new(p.client().clone());
+    js.get_stream(&stream).await.unwrap().purge().await.unwrap();
+    let kv = blocking(|| spawn_kvindex(&["serve", "--config", &config], &data, &[], START));
+    let stats = blocking(|| {
+        wait_for("the purge to be reported", CATCH_UP, || {
+            let s = kv.stats();
+            (!s["sources"]["partitions"][0]["divergence"].is_null()).then_some(s)
+        })
+    });
+    assert_eq!(
+        stats["sources"]["partitions"][0]["divergence"]["kind"],
+        "events_deleted"
+    );
+    assert_eq!(kv.get("/readyz").0, 503);
+    blocking(|| kv.terminate());
+    let _ = js.delete_stream(&stream).await;
+}
