@@ -1,5 +1,9 @@
 //! Decode throughput benchmarks (criterion): protobuf `CacheEvent` and a vLLM msgpack
 //! `BlockStored` batch, reported as events/s. Target: ≥ 1 M events/s per core.
+//!
+//! Each bench decodes one payload over and over, so the CPU's branch predictor ends up knowing
+//! its varint / msgpack-marker lengths by heart; the `_varied` twins cycle through payloads of
+//! pseudo-random token ids to show the decoders do not depend on that.
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use kvindex::event::detect::DecodeOptions;
@@ -33,6 +37,22 @@ fn typical_stored(i: u64) -> Event {
     ev
 }
 
+/// [`typical_stored`] with token ids drawn uniformly from a 128k vocabulary (xorshift, seeded
+/// by `i`): the mix of 2- and 3-byte varints real prompts have.
+fn random_stored(i: u64) -> Event {
+    let mut ev = typical_stored(i);
+    let mut x = i.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    if let BlockContent::Tokens { token_ids, .. } = &mut ev.content {
+        for t in token_ids.iter_mut() {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            *t = (x % 128_000) as u32;
+        }
+    }
+    ev
+}
+
 fn bench_decode(c: &mut Criterion) {
     let opts = DecodeOptions {
         vllm: kvindex::event::VllmOptions {
@@ -54,12 +74,40 @@ fn bench_decode(c: &mut Criterion) {
         b.iter(|| decode_payload(black_box(&proto), &env, &opts))
     });
 
+    // The same shape with pseudo-random token ids, cycling through 64 distinct payloads, so
+    // the branch predictor cannot learn one payload's varint lengths by heart.
+    let varied: Vec<Vec<u8>> = (0..64)
+        .map(|i| encode::to_proto(&[random_stored(i)]))
+        .collect();
+    let mut next = 0;
+    group.bench_function("proto_cache_event_varied", |b| {
+        b.iter(|| {
+            next = (next + 1) % varied.len();
+            decode_payload(black_box(&varied[next]), &env, &opts)
+        })
+    });
+
     const BATCH: u64 = 16;
     let events: Vec<Event> = (0..BATCH).map(typical_stored).collect();
     let vllm = encode::to_vllm(&events, 0);
     group.throughput(Throughput::Elements(BATCH));
     group.bench_function("vllm_block_stored_batch16", |b| {
         b.iter(|| decode_payload(black_box(&vllm), &env, &opts))
+    });
+
+    // Batches of pseudo-random token ids, cycling through 16 distinct payloads.
+    let varied: Vec<Vec<u8>> = (0..16)
+        .map(|b| {
+            let events: Vec<Event> = (0..BATCH).map(|i| random_stored(b * BATCH + i)).collect();
+            encode::to_vllm(&events, 0)
+        })
+        .collect();
+    let mut next = 0;
+    group.bench_function("vllm_block_stored_batch16_varied", |b| {
+        b.iter(|| {
+            next = (next + 1) % varied.len();
+            decode_payload(black_box(&varied[next]), &env, &opts)
+        })
     });
 
     let json = encode::to_json(&events);

@@ -8,6 +8,7 @@ pub mod detect;
 pub mod encode;
 pub mod json;
 pub mod proto;
+mod proto_fast;
 pub mod vllm;
 
 pub use detect::{DecodeOptions, Decoded, Format, VllmOptions, decode_payload};

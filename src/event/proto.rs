@@ -20,6 +20,7 @@ use super::{
     BlockContent, DecodeError, EngineHash, Event, EventKind, PartitionKey, Tier, engine_id,
 };
 use prost::Message;
+use smallvec::SmallVec;
 
 /// The prost-generated `kvindex.v1` messages (from `proto/kvindex/v1/events.proto`).
 #[allow(clippy::all, missing_docs)]
@@ -33,7 +34,36 @@ use pb::cache_event::{Tier as PbTier, Type as PbType};
 const BATCH_TAG: u8 = 0x0a;
 
 /// Decodes a protobuf body (one `CacheEvent` or a `CacheEventBatch`) into events.
+///
+/// The hand-written reader in [`proto_fast`](super::proto_fast) handles the common case; when
+/// it gives up (malformed input, a wire feature it leaves to prost, an event that fails
+/// conversion) the body is decoded again by [`decode_prost`], so every error and corner case
+/// keeps prost's exact behaviour.
 pub fn decode(bytes: &[u8]) -> Result<Vec<Event>, DecodeError> {
+    match decode_fast(bytes) {
+        Some(events) => Ok(events),
+        None => decode_prost(bytes),
+    }
+}
+
+/// The fast path alone: the events of a well-formed body, or `None` where [`decode`] would
+/// fall back to [`decode_prost`]. Public so tests can check it against the reference decoder.
+#[doc(hidden)]
+pub fn decode_fast(bytes: &[u8]) -> Option<Vec<Event>> {
+    if bytes.is_empty() {
+        // Not an empty message: the whole body is missing (`DecodeError::Empty`).
+        return None;
+    }
+    if bytes.first() == Some(&BATCH_TAG) {
+        super::proto_fast::decode_batch(bytes)
+    } else {
+        super::proto_fast::decode_event(bytes).map(|ev| vec![ev])
+    }
+}
+
+/// The reference decoder: prost-generated messages, then [`from_pb`], with the batch-or-event
+/// rule of the module docs. Slower than [`decode`] but the definition of its behaviour.
+pub fn decode_prost(bytes: &[u8]) -> Result<Vec<Event>, DecodeError> {
     if bytes.is_empty() {
         return Err(DecodeError::Empty);
     }
@@ -144,48 +174,124 @@ pub(crate) fn content_from_tokens(
 /// Converts one decoded `CacheEvent` into an [`Event`] (the mapping in the module docs of
 /// `event`): legacy `prefix_hash` stands in for an empty `block_hashes`.
 pub fn from_pb(msg: pb::CacheEvent) -> Result<Event, DecodeError> {
-    let kind = kind_from_i32(msg.r#type);
-    if msg.replica_id.is_empty() && needs_replica(kind) {
-        return Err(DecodeError::Field {
-            field: "replica_id",
-            reason: "empty".into(),
-        });
+    let pb::CacheEvent {
+        r#type,
+        replica_id,
+        model_id,
+        tenant_id,
+        prefix_hash,
+        timestamp_us,
+        adapter_id,
+        adapter_scoped,
+        block_hashes,
+        parent_hash,
+        token_ids,
+        block_size,
+        tier,
+        seq,
+        dp_rank,
+    } = msg;
+    EventFields {
+        r#type,
+        replica_id,
+        model_id,
+        tenant_id,
+        prefix_hash: &prefix_hash,
+        timestamp_us,
+        adapter_id,
+        adapter_scoped,
+        block_hashes: block_hashes.iter().map(|h| h.as_ref()).collect(),
+        parent_hash: &parent_hash,
+        token_ids,
+        block_size,
+        tier,
+        seq,
+        dp_rank,
     }
-    let mut block_hashes = Vec::with_capacity(msg.block_hashes.len().max(1));
-    for h in &msg.block_hashes {
+    .into_event()
+}
+
+/// Inline capacity of [`EventFields::block_hashes`]: chains up to this long need no heap.
+const INLINE_HASHES: usize = 32;
+
+/// The fields of one `CacheEvent` as decoded, with `bytes` fields borrowed from wherever they
+/// were read. Both decoders fill one in and convert it with [`EventFields::into_event`], so the
+/// prost path and the fast path share one mapping to [`Event`].
+///
+/// Strings are generic: prost hands over owned `String`s (moved into the event as they are),
+/// the fast path borrows `&str` slices of the payload (copied once, into the event).
+#[derive(Debug, Default)]
+pub(crate) struct EventFields<'a, S> {
+    pub r#type: i32,
+    pub replica_id: S,
+    pub model_id: S,
+    pub tenant_id: S,
+    pub prefix_hash: &'a [u8],
+    pub timestamp_us: i64,
+    pub adapter_id: S,
+    pub adapter_scoped: bool,
+    pub block_hashes: SmallVec<[&'a [u8]; INLINE_HASHES]>,
+    pub parent_hash: &'a [u8],
+    pub token_ids: Vec<u32>,
+    pub block_size: u32,
+    pub tier: i32,
+    pub seq: u64,
+    pub dp_rank: u32,
+}
+
+impl<S: AsRef<str> + Into<String>> EventFields<'_, S> {
+    /// Validates the fields and builds the [`Event`]: legacy `prefix_hash` stands in for an
+    /// empty `block_hashes`; the checks run in a fixed order so each bad event reports the same
+    /// error whichever decoder read it.
+    pub fn into_event(self) -> Result<Event, DecodeError> {
+        let kind = kind_from_i32(self.r#type);
+        let replica = self.replica_id.as_ref();
+        if replica.is_empty() && needs_replica(kind) {
+            return Err(DecodeError::Field {
+                field: "replica_id",
+                reason: "empty".into(),
+            });
+        }
+        let mut block_hashes = engine_hashes(&self.block_hashes)?;
+        if block_hashes.is_empty() && !self.prefix_hash.is_empty() {
+            block_hashes.push(EngineHash::from_bytes(self.prefix_hash));
+        }
+        let parent_hash =
+            (!self.parent_hash.is_empty()).then(|| EngineHash::from_bytes(self.parent_hash));
+        let content = content_from_tokens(self.token_ids, self.block_size, block_hashes.len())?;
+        Ok(Event {
+            kind,
+            engine: engine_id(replica, self.dp_rank),
+            partition: PartitionKey {
+                tenant: self.tenant_id.into(),
+                model: self.model_id.into(),
+                adapter: self.adapter_id.into(),
+            },
+            adapter_scoped: self.adapter_scoped,
+            block_hashes,
+            parent_hash,
+            content,
+            tier: tier_from_i32(self.tier),
+            timestamp_us: self.timestamp_us,
+            seq: self.seq,
+        })
+    }
+}
+
+/// The chain's engine hashes, in one exactly sized allocation (one spare slot for the legacy
+/// `prefix_hash` of a hash-less event); an empty hash is an error.
+fn engine_hashes(raw: &[&[u8]]) -> Result<Vec<EngineHash>, DecodeError> {
+    let mut out = Vec::with_capacity(raw.len().max(1));
+    for h in raw {
         if h.is_empty() {
             return Err(DecodeError::Field {
                 field: "block_hashes",
                 reason: "empty hash".into(),
             });
         }
-        block_hashes.push(EngineHash::from_bytes(h));
+        out.push(EngineHash::from_bytes(h));
     }
-    if block_hashes.is_empty() && !msg.prefix_hash.is_empty() {
-        block_hashes.push(EngineHash::from_bytes(&msg.prefix_hash));
-    }
-    let parent_hash = if msg.parent_hash.is_empty() {
-        None
-    } else {
-        Some(EngineHash::from_bytes(&msg.parent_hash))
-    };
-    let content = content_from_tokens(msg.token_ids, msg.block_size, block_hashes.len())?;
-    Ok(Event {
-        kind,
-        engine: engine_id(&msg.replica_id, msg.dp_rank),
-        partition: PartitionKey {
-            tenant: msg.tenant_id,
-            model: msg.model_id,
-            adapter: msg.adapter_id,
-        },
-        adapter_scoped: msg.adapter_scoped,
-        block_hashes,
-        parent_hash,
-        content,
-        tier: tier_from_i32(msg.tier),
-        timestamp_us: msg.timestamp_us,
-        seq: msg.seq,
-    })
+    Ok(out)
 }
 
 /// Splits an engine id back into `(replica, dp_rank)`: the inverse of [`engine_id`] (an id

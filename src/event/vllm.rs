@@ -482,12 +482,41 @@ impl<'a> Reader<'a> {
             Mp::Array(n) => n,
             other => return Err(wrong_type(field, "an array of hashes", &other)),
         };
-        let mut out = Vec::with_capacity(n);
-        for _ in 0..n {
+        // `n` is at most the bytes left (checked by `container`), so this allocation is bounded.
+        let mut out = vec![EngineHash(0); n];
+        let filled = self.fill_int_hashes(&mut out);
+        for slot in out.iter_mut().skip(filled) {
             let item = self.next()?;
-            out.push(Self::hash_from(field, item)?);
+            *slot = Self::hash_from(field, item)?;
         }
         Ok(out)
+    }
+
+    /// The hot path of [`Reader::hashes`]: fills `slots` from the front with integer hashes in
+    /// the forms vLLM writes (uint 64 / int 64, plus the short unsigned forms) and returns how
+    /// many it filled. It stops at the first item in any other form, or cut short, leaving it
+    /// to the general reader, which reads (or rejects) it exactly as before. An int 64 hash
+    /// keeps its bits, as [`EngineHash::from_i64`] does.
+    fn fill_int_hashes(&mut self, slots: &mut [EngineHash]) -> usize {
+        let mut filled = 0;
+        for slot in slots.iter_mut() {
+            let Some(rest) = self.buf.get(self.pos..) else {
+                break;
+            };
+            let (value, len) = match *rest {
+                [0xcf | 0xd3, a, b, c, d, e, f, g, h, ..] => {
+                    (u64::from_be_bytes([a, b, c, d, e, f, g, h]), 9)
+                }
+                _ => match common_uint(rest) {
+                    Some((v, len)) => (u64::from(v), len),
+                    None => break,
+                },
+            };
+            *slot = EngineHash(value);
+            self.pos += len;
+            filled += 1;
+        }
+        filled
     }
 
     fn opt_hash(&mut self, field: &'static str) -> Result<Option<EngineHash>, DecodeError> {
@@ -510,11 +539,31 @@ impl<'a> Reader<'a> {
             Mp::Nil => 0,
             other => return Err(wrong_type(field, "an array of token ids", &other)),
         };
-        let mut out = Vec::with_capacity(n);
-        for _ in 0..n {
-            out.push(self.u32_of(field)?);
+        // `n` is at most the bytes left (checked by `container`), so this allocation is bounded.
+        let mut out = vec![0; n];
+        let filled = self.fill_u32s(&mut out);
+        for slot in out.iter_mut().skip(filled) {
+            *slot = self.u32_of(field)?;
         }
         Ok(out)
+    }
+
+    /// The hot path of [`Reader::tokens`]: fills `slots` from the front with unsigned integers
+    /// in msgpack's common forms ([`common_uint`]) in one tight loop, without building an
+    /// [`Mp`] per token, and returns how many it filled. It stops at the first item in any
+    /// other form, or cut short, leaving it to [`Reader::u32_of`], which reads (or rejects)
+    /// it exactly as before.
+    fn fill_u32s(&mut self, slots: &mut [u32]) -> usize {
+        let mut filled = 0;
+        for slot in slots.iter_mut() {
+            let Some((value, len)) = self.buf.get(self.pos..).and_then(common_uint) else {
+                break;
+            };
+            *slot = value;
+            self.pos += len;
+            filled += 1;
+        }
+        filled
     }
 
     fn opt_i64(&mut self, field: &'static str) -> Result<Option<i64>, DecodeError> {
@@ -675,6 +724,20 @@ impl<'a> Reader<'a> {
             }
         }
         Ok((tag, raw))
+    }
+}
+
+/// An unsigned integer of at most 32 bits at the front of `bytes` in one of msgpack's common
+/// forms (positive fixint, uint 8, uint 16, uint 32): its value and encoded length. `None` for
+/// any other form or if the bytes end early.
+#[inline(always)]
+fn common_uint(bytes: &[u8]) -> Option<(u32, usize)> {
+    match *bytes {
+        [m @ 0x00..=0x7f, ..] => Some((u32::from(m), 1)),
+        [0xcc, v, ..] => Some((u32::from(v), 2)),
+        [0xcd, a, b, ..] => Some((u32::from(u16::from_be_bytes([a, b])), 3)),
+        [0xce, a, b, c, d, ..] => Some((u32::from_be_bytes([a, b, c, d]), 5)),
+        _ => None,
     }
 }
 
