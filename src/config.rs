@@ -346,6 +346,11 @@ impl Default for CheckpointConfig {
     }
 }
 
+/// Longest accepted `writeback.periodic_flush_interval` (one year, in seconds): longer is
+/// "off" in all but name, and an absurd value would overflow the monotonic clock when the
+/// next flush is scheduled.
+pub const MAX_FLUSH_INTERVAL_S: i64 = 365 * 24 * 3600;
+
 /// Integer keys whose value may be negative; every other integer key must be ≥ 0.
 const SIGNED_KEYS: &[&str] = &[
     "source.nats.engine_token",
@@ -526,6 +531,15 @@ impl Config {
                 "writeback.periodic_flush_interval",
                 format!(
                     "must be ≥ 0 seconds (0 = off), got {}",
+                    wb.periodic_flush_interval
+                ),
+            ));
+        }
+        if wb.periodic_flush_interval > MAX_FLUSH_INTERVAL_S {
+            return Err(bad(
+                "writeback.periodic_flush_interval",
+                format!(
+                    "must be at most {MAX_FLUSH_INTERVAL_S} seconds (one year; 0 = off), got {}",
                     wb.periodic_flush_interval
                 ),
             ));

@@ -8,7 +8,8 @@
 //! [`checkpoint`] tracks what is applied and durable per source partition. [`service`]
 //! assembles all of it from a [`config`] (warm-loading the index from disk first), and [`api`]
 //! answers lookups over HTTP. [`metrics`] holds the counters, [`produce`] a synthetic engine
-//! fleet, [`replay`] the trace-replay benchmark.
+//! fleet, [`replay`] the trace-replay benchmark. [`writeback`] is the bounded-L1 write-back
+//! machinery (breaker, L2 sink, controller), tested on its own and not yet wired into the shards.
 
 pub mod api;
 pub mod checkpoint;
@@ -23,3 +24,4 @@ pub mod replay;
 pub mod service;
 pub mod source;
 pub mod store;
+pub mod writeback;

@@ -388,6 +388,29 @@ fn every_validation_error_names_its_field() {
             "[writeback]\nperiodic_flush_interval = -5",
             "writeback.periodic_flush_interval",
         ),
+        (
+            "[writeback]\nperiodic_flush_interval = 31536001",
+            "writeback.periodic_flush_interval",
+        ),
+        (
+            "[writeback]\nperiodic_flush_interval = 1.5",
+            "writeback.periodic_flush_interval",
+        ),
+        ("[index]\nhigh_watermark = nan", "index.high_watermark"),
+        ("[index]\nlow_watermark = nan", "index.low_watermark"),
+        ("[index]\nhigh_watermark = inf", "index.high_watermark"),
+        ("[index]\nhigh_watermark = -0.5", "index.high_watermark"),
+        ("[index]\nlow_watermark = -0.1", "index.low_watermark"),
+        ("[index]\nlow_watermark = 1.5", "index.low_watermark"),
+        (
+            "[index]\nhigh_watermark = 0.7\nlow_watermark = 0.7",
+            "index.low_watermark",
+        ),
+        ("[writeback]\nbatch_size = -1", "writeback.batch_size"),
+        (
+            "[writeback]\nwrite_back_on_evict = false\nemergency_evict_for_restore = true",
+            "writeback.emergency_evict_for_restore",
+        ),
         ("[checkpoint]\ninterval_ms = 0", "checkpoint.interval_ms"),
         ("[checkpoint]\nmax_events = 0", "checkpoint.max_events"),
     ];
@@ -412,6 +435,18 @@ fn every_validation_error_names_its_field() {
         load_env(&[("KVINDEX_WRITEBACK__BATCH_SIZE", "0")]),
         "writeback.batch_size",
     );
+    assert_names(
+        load_env(&[("KVINDEX_WRITEBACK__PERIODIC_FLUSH_INTERVAL", "-1")]),
+        "writeback.periodic_flush_interval",
+    );
+    assert_names(
+        load_env(&[("KVINDEX_INDEX__LOW_WATERMARK", "0.9")]),
+        "index.low_watermark",
+    );
+    assert_names(
+        load_env(&[("KVINDEX_WRITEBACK__WRITE_BACK_ON_EVICT", "false")]),
+        "writeback.emergency_evict_for_restore",
+    );
     let bad_listen = Overrides {
         listen: Some("nowhere".into()),
         ..Overrides::default()
@@ -422,6 +457,40 @@ fn every_validation_error_names_its_field() {
     c.index.low_watermark = 0.9;
     let err = c.validate().expect_err("low above high");
     assert_eq!(err.field(), Some("index.low_watermark"));
+}
+
+#[test]
+fn writeback_edges_that_are_valid() {
+    // Boundaries that must load: high = 1, the longest interval, write-back off together
+    // with emergency eviction off, batch_size 1.
+    let c = load_text(
+        "[index]\nhigh_watermark = 1.0\nlow_watermark = 0.99\n[writeback]\n\
+         periodic_flush_interval = 31536000\nbatch_size = 1\n\
+         write_back_on_evict = false\nemergency_evict_for_restore = false",
+    )
+    .expect("valid");
+    assert_eq!(
+        c.periodic_flush(),
+        Some(std::time::Duration::from_secs(31_536_000))
+    );
+    let msg = assert_names(
+        load_text("[writeback]\nperiodic_flush_interval = -5"),
+        "writeback.periodic_flush_interval",
+    );
+    assert!(msg.contains("-5"), "{msg}");
+    // validate() on hand-built configs, for values the TOML layer cannot produce.
+    let mut c = Config::default();
+    c.writeback.periodic_flush_interval = i64::MIN;
+    assert_eq!(
+        c.validate().expect_err("negative").field(),
+        Some("writeback.periodic_flush_interval")
+    );
+    let mut c = Config::default();
+    c.index.high_watermark = f64::NAN;
+    assert_eq!(
+        c.validate().expect_err("nan").field(),
+        Some("index.high_watermark")
+    );
 }
 
 #[test]
