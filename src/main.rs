@@ -23,7 +23,7 @@ enum Command {
     Demo(cli::serve::DemoArgs),
     /// Rebuild an index from a Kafka topic or NATS stream into an empty data dir.
     Replay(cli::replay::ReplayArgs),
-    /// Generate synthetic engine-fleet events in any encoding.
+    /// Generate synthetic engine-fleet events in any encoding, to a file or a broker.
     Produce(cli::produce::ProduceArgs),
     /// Benchmarks.
     #[command(subcommand)]
@@ -59,7 +59,7 @@ fn main() -> anyhow::Result<()> {
         Command::Serve(args) => runtime()?.block_on(cli::serve::serve(args)),
         Command::Demo(args) => runtime()?.block_on(cli::serve::demo(args)),
         Command::Replay(args) => runtime()?.block_on(cli::replay::replay(args)),
-        Command::Produce(args) => cli::produce::produce(args),
+        Command::Produce(args) => runtime()?.block_on(cli::produce::produce(args)),
         Command::Bench(BenchCommand::Replay(args)) => cli::bench::replay(args),
     }
 }
