@@ -34,6 +34,8 @@ enum Command {
 enum BenchCommand {
     /// Replay a recorded KV-cache op stream through the index and check every lookup.
     Replay(cli::bench::ReplayArgs),
+    /// Time a restart to the first answered lookup for a durable index of a given size.
+    Restart(cli::bench_restart::RestartArgs),
 }
 
 fn init_tracing() {
@@ -61,6 +63,7 @@ fn main() -> anyhow::Result<()> {
         Command::Replay(args) => runtime()?.block_on(cli::replay::replay(args)),
         Command::Produce(args) => runtime()?.block_on(cli::produce::produce(args)),
         Command::Bench(BenchCommand::Replay(args)) => cli::bench::replay(args),
+        Command::Bench(BenchCommand::Restart(args)) => cli::bench_restart::restart(args),
     }
 }
 

@@ -1,6 +1,7 @@
 //! Subcommands of the `kvindex` binary, one file each.
 
 pub mod bench;
+pub mod bench_restart;
 pub mod produce;
 pub mod replay;
 pub mod serve;
