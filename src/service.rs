@@ -194,6 +194,21 @@ impl Service {
     }
 }
 
+/// A clean stop: everything applied is committed and the memtables are flushed, so the next
+/// start has no WAL to replay.
+impl Drop for Service {
+    fn drop(&mut self) {
+        if !self.pipeline.persist() {
+            tracing::warn!(
+                "the last commit before shutdown failed; the next start resumes from the previous one"
+            );
+        }
+        if let Err(e) = self.store.flush() {
+            tracing::warn!(error = %e, "flushing the store at shutdown failed (the WAL still holds everything)");
+        }
+    }
+}
+
 /// Loads every shard from the store in parallel, then turns change tracking on.
 fn load(store: &Store, index: &Index) -> Result<LoadStats, StoreError> {
     let results: Vec<Result<LoadStats, StoreError>> = std::thread::scope(|s| {

@@ -39,7 +39,7 @@ pub struct RestartArgs {
     /// Events of history to build (fleet traffic plus churn).
     #[arg(long, default_value_t = 1_000_000)]
     pub history: u64,
-    /// Restarts to time.
+    /// Restarts to time (0: only build).
     #[arg(long, default_value_t = 5)]
     pub runs: usize,
 }
@@ -199,7 +199,10 @@ pub fn restart(args: RestartArgs) -> anyhow::Result<()> {
         build(&args)?;
     }
     let mut times = Vec::new();
-    for run in 0..args.runs.max(1) {
+    if args.runs == 0 {
+        return Ok(());
+    }
+    for run in 0..args.runs {
         let t = time_restart(&args.data_dir)?;
         println!(
             "restart {run}: first lookup answered after {:.0} ms",

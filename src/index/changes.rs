@@ -31,16 +31,31 @@ pub(crate) struct Changes {
     pub(crate) engines: hashbrown::HashSet<EngineIdx>,
     /// Partitions interned since the last take (in interning order).
     pub(crate) partitions: Vec<u32>,
+    /// Blocks and map entries that did not exist when they were first marked in this interval.
+    /// L1 mirrors the store plus what is dirty, so such a row is not in the store either: if
+    /// it is gone again when the changes are taken, no delete is written for it. Under churn
+    /// (blocks stored and evicted within one checkpoint interval) this keeps RocksDB free of
+    /// tombstones that every later reload would have to skip. (This relies on L1 holding
+    /// every stored row, which the bounded L1 of the write-back work will have to keep true
+    /// for dirty rows or revisit.)
+    pub(crate) born_blocks: hashbrown::HashSet<u64>,
+    pub(crate) born_maps: hashbrown::HashSet<(EngineIdx, u32, u64)>,
 }
 
 impl Changes {
+    /// Marks block `key` dirty; `born`: it did not exist before this change.
     #[inline]
-    pub(crate) fn block(&mut self, key: u64, pid: u32) {
-        self.blocks.insert(key, pid);
+    pub(crate) fn block(&mut self, key: u64, pid: u32, born: bool) {
+        if self.blocks.insert(key, pid).is_none() && born {
+            self.born_blocks.insert(key);
+        }
     }
+    /// Marks a map entry dirty; `born`: it did not exist before this change.
     #[inline]
-    pub(crate) fn map(&mut self, eid: EngineIdx, pid: u32, hash: u64) {
-        self.maps.insert((eid, pid, hash));
+    pub(crate) fn map(&mut self, eid: EngineIdx, pid: u32, hash: u64, born: bool) {
+        if self.maps.insert((eid, pid, hash)) && born {
+            self.born_maps.insert((eid, pid, hash));
+        }
     }
     pub(crate) fn is_empty(&self) -> bool {
         self.blocks.is_empty()

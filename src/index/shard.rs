@@ -216,7 +216,7 @@ fn drop_membership(
     part.memberships -= 1;
     part.blocks -= gone as u64;
     if let Some(c) = changes {
-        c.block(key, pid);
+        c.block(key, pid, false);
     }
     true
 }
@@ -558,7 +558,7 @@ impl Shard {
             }
             let previous = map.insert(h.0, key);
             if let Some(c) = changes.as_deref_mut().filter(|_| previous != Some(key)) {
-                c.map(eid, pid, h.0);
+                c.map(eid, pid, h.0, previous.is_none());
             }
             if let Some(old) = previous.filter(|&old| old != key) {
                 // The engine reused a hash for other content (e.g. it restarted with a new hash
@@ -586,7 +586,8 @@ impl Shard {
                 Added::Unchanged => {}
             }
             if let Some(c) = changes.as_deref_mut().filter(|_| added != Added::Unchanged) {
-                c.block(key, pid);
+                let born = matches!(added, Added::Holder { new_block: true });
+                c.block(key, pid, born);
             }
         }
         self.key_buf = keys;
@@ -623,7 +624,7 @@ impl Shard {
             if let Some(key) = map.remove(h.0) {
                 keys.push(key);
                 if let Some(c) = changes.as_deref_mut() {
-                    c.map(eid, pid, h.0);
+                    c.map(eid, pid, h.0, false);
                 }
             }
         }
@@ -886,6 +887,9 @@ impl Shard {
             let block = self.engines[eid as usize]
                 .part(pid)
                 .and_then(|m| m.get(hash).copied());
+            if block.is_none() && c.born_maps.contains(&(eid, pid, hash)) {
+                continue; // created and gone within the interval: nothing to delete
+            }
             out.maps.push(MapChange {
                 engine: eid,
                 partition: pid,
@@ -900,12 +904,17 @@ impl Shard {
                 out.holders
                     .extend(h.as_slice().iter().map(|h| (h.engine(), h.tier())));
             }
+            if start == out.holders.len() as u32 && c.born_blocks.contains(&key) {
+                continue; // created and gone within the interval: nothing to delete
+            }
             out.blocks.push(BlockChange {
                 key,
                 partition: pid,
                 holders: start..out.holders.len() as u32,
             });
         }
+        c.born_blocks.clear();
+        c.born_maps.clear();
         out
     }
 
