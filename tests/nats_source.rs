@@ -3,6 +3,8 @@
 //! restarts. Every test uses its own uniquely named stream and subjects (`kvtest.<id>.>`),
 //! deletes them at the end (also on failure), and bounds every wait.
 
+mod support;
+
 use kvindex::event::encode;
 use kvindex::produce::{Fleet, FleetConfig};
 use kvindex::source::nats::{NatsPublisher, NatsSettings, NatsSource};
@@ -12,9 +14,9 @@ use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
+use support::PrivateServer;
 
 const NATS_URL: &str = "nats://127.0.0.1:4222";
-const NATS_SERVER: &str = "/usr/sbin/nats-server";
 
 /// A checkpoint store in memory.
 #[derive(Default)]
@@ -546,78 +548,6 @@ async fn divergence_stops_or_resets() {
         src.status()
     );
     assert_eq!(src.divergences_total(), 1);
-}
-
-/// A private nats-server the test can kill and restart on the same port and store.
-struct PrivateServer {
-    port: u16,
-    dir: tempfile::TempDir,
-    child: Option<std::process::Child>,
-}
-
-impl PrivateServer {
-    fn start() -> PrivateServer {
-        assert!(
-            std::path::Path::new(NATS_SERVER).exists(),
-            "the fault test needs {NATS_SERVER}"
-        );
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let mut s = PrivateServer {
-            port,
-            dir: tempfile::tempdir().unwrap(),
-            child: None,
-        };
-        s.spawn();
-        s
-    }
-
-    fn url(&self) -> String {
-        format!("nats://127.0.0.1:{}", self.port)
-    }
-
-    fn spawn(&mut self) {
-        let child = std::process::Command::new(NATS_SERVER)
-            .args([
-                "-js",
-                "-a",
-                "127.0.0.1",
-                "-p",
-                &self.port.to_string(),
-                "-sd",
-            ])
-            .arg(self.dir.path())
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .expect("spawning nats-server");
-        self.child = Some(child);
-        let start = Instant::now();
-        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
-            assert!(
-                start.elapsed() < Duration::from_secs(10),
-                "private nats-server did not listen on {}",
-                self.port
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-
-    fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-impl Drop for PrivateServer {
-    fn drop(&mut self) {
-        self.kill();
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -504,3 +504,100 @@ seed = {SEED}
     blocking(|| kv.terminate());
     let _ = js.delete_stream(&stream).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_server_restart_mid_stream_loses_nothing() {
+    let mut server = PrivateServer::start();
+    let stream = unique("KVRESTART");
+    let prefix = format!("kvrestart.{}", stream.to_lowercase());
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config(
+        dir.path(),
+        &format!(
+            r#"
+[source]
+kind = "nats"
+[source.nats]
+url = "{}"
+stream = "{stream}"
+subjects = ["{prefix}.>"]
+[index]
+shards = 2
+seed = {SEED}
+"#,
+            server.url()
+        ),
+    );
+    let mut p = NatsPublisher::connect(&server.url(), true).await.unwrap();
+    p.ensure_stream(&stream, &[format!("{prefix}.>")])
+        .await
+        .unwrap();
+    let mut fleet = Fleet::new(FleetConfig::default());
+    let reference = reference_index(2);
+    let mut sent = 0;
+    for _ in 0..60 {
+        let events = fleet.next_request();
+        for ev in &events {
+            let _ = reference.apply(ev, 0);
+        }
+        sent += publish_nats(&mut p, &prefix, &events).await;
+    }
+    p.flush().await.unwrap();
+    let kv = blocking(|| {
+        spawn_kvindex(
+            &["serve", "--config", &config],
+            &dir.path().join("data"),
+            &[],
+            START,
+        )
+    });
+    blocking(|| wait_caught_up(&kv, sent + 1));
+
+    // The server goes away: lookups keep being answered from the index.
+    server.kill();
+    let (part, tokens) = fleet.sample_query();
+    let want = reference_answer(&reference, &part, &tokens);
+    for _ in 0..5 {
+        assert_eq!(blocking(|| http_answer(&kv, &part, &tokens)), want);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    server.spawn();
+    // Publish more once JetStream answers again; kvindex resumes by itself.
+    let mut p = wait_for_publisher(&server.url(), &stream, &prefix).await;
+    for _ in 0..30 {
+        let events = fleet.next_request();
+        for ev in &events {
+            let _ = reference.apply(ev, 0);
+        }
+        sent += publish_nats(&mut p, &prefix, &events).await;
+    }
+    p.flush().await.unwrap();
+    blocking(|| wait_caught_up(&kv, sent + 1));
+    for _ in 0..8 {
+        let (part, tokens) = fleet.sample_query();
+        assert_eq!(
+            blocking(|| http_answer(&kv, &part, &tokens)),
+            reference_answer(&reference, &part, &tokens)
+        );
+    }
+    blocking(|| kv.terminate());
+}
+
+/// A JetStream publisher on a server that is (re)starting; retries for up to 30 s.
+async fn wait_for_publisher(url: &str, stream: &str, prefix: &str) -> NatsPublisher {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Ok(p) = NatsPublisher::connect(url, true).await
+            && p.ensure_stream(stream, &[format!("{prefix}.>")])
+                .await
+                .is_ok()
+        {
+            return p;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "JetStream did not come back"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}

@@ -278,3 +278,78 @@ pub fn fingerprint(
         answers,
     }
 }
+
+/// Where Debian's nats-server lives (scripts/setup.sh installs it).
+const NATS_SERVER: &str = "/usr/sbin/nats-server";
+
+/// A private nats-server (JetStream) the test can kill and restart on the same port and store.
+pub struct PrivateServer {
+    port: u16,
+    dir: tempfile::TempDir,
+    child: Option<std::process::Child>,
+}
+
+impl PrivateServer {
+    pub fn start() -> PrivateServer {
+        assert!(
+            std::path::Path::new(NATS_SERVER).exists(),
+            "the fault test needs {NATS_SERVER}"
+        );
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let mut s = PrivateServer {
+            port,
+            dir: tempfile::tempdir().unwrap(),
+            child: None,
+        };
+        s.spawn();
+        s
+    }
+
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    pub fn spawn(&mut self) {
+        let child = std::process::Command::new(NATS_SERVER)
+            .args([
+                "-js",
+                "-a",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-sd",
+            ])
+            .arg(self.dir.path())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("spawning nats-server");
+        self.child = Some(child);
+        let start = Instant::now();
+        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "private nats-server did not listen on {}",
+                self.port
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for PrivateServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
