@@ -66,6 +66,22 @@ def start_serve(args, data, config):
     return proc, bootstrap, http
 
 
+def delete_stream(url, stream):
+    """Deletes a JetStream stream with the raw NATS protocol (no client library needed)."""
+    import socket
+    host, port = url.replace("nats://", "").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.recv(4096)  # INFO
+        s.sendall(b'CONNECT {"verbose":false}\r\nSUB _kvbench_reply 1\r\n')
+        s.sendall(f"PUB $JS.API.STREAM.DELETE.{stream} _kvbench_reply 0\r\n\r\nPING\r\n".encode())
+        reply = b""
+        while b"MSG _kvbench_reply" not in reply:
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            reply += chunk
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bin", required=True, help="kvindex binary (release)")
@@ -96,7 +112,7 @@ def main():
     else:
         produce += ["--nats", args.nats_url, "--stream", stream, "--subject-prefix", prefix]
     t0 = time.time()
-    producer = subprocess.Popen(produce, stdout=subprocess.PIPE, text=True)
+    producer = subprocess.Popen(produce, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     samples = []
     produced_at = None
     try:
@@ -117,6 +133,8 @@ def main():
     serve.terminate()
     serve.wait(timeout=60)
     shutil.rmtree(tmp, ignore_errors=True)
+    if args.source == "nats":
+        delete_stream(args.nats_url, stream)
 
     first = next(i for i, x in enumerate(samples) if x[1] > 0)
     t_first, t_last = samples[first - 1 if first else 0][0], samples[-1][0]
@@ -128,7 +146,8 @@ def main():
                 best = max(best, (samples[j][1] - samples[i][1]) / (samples[j][0] - samples[i][0]))
                 break
     print(f"source={args.source} requests={args.requests} engines={args.engines} format={args.format}")
-    print(f"producer: {out.strip().splitlines()[-1] if out.strip() else '(no summary)'}")
+    summary = [l for l in out.splitlines() if l.startswith('produced')]
+    print(f"producer: {summary[-1] if summary else '(no summary)'}")
     print(f"applied: {final['events']['applied_total']} events, {ops} block events, "
           f"{final['index']['memberships']} memberships at end")
     print(f"duplicates skipped: {sum(p['duplicates_skipped'] for p in final['sources']['partitions'])}, "

@@ -354,37 +354,27 @@ impl Pipeline {
 
     /// Waits until every event submitted before this call is applied.
     pub fn flush(&self) {
-        let (tx, rx) = std::sync::mpsc::channel();
-        let mut pending = 0;
-        for s in &self.senders {
-            if s.send(Msg::Barrier(tx.clone())).is_ok() {
-                pending += 1;
-            }
-        }
-        drop(tx);
-        for _ in 0..pending {
-            if rx.recv().is_err() {
-                break;
-            }
-        }
+        self.broadcast(Msg::Barrier);
     }
 
     /// Applies everything submitted so far and commits every shard now. `true` if every
     /// commit succeeded (always, without a store).
     pub fn persist(&self) -> bool {
+        let replies = self.broadcast(Msg::Persist);
+        replies.len() == self.senders.len() && replies.into_iter().all(|ok| ok)
+    }
+
+    /// Sends every worker the message `make` builds around a reply channel, after everything
+    /// queued before it, and waits for every reply (workers that are gone do not reply).
+    fn broadcast<T>(&self, make: impl Fn(Sender<T>) -> Msg) -> Vec<T> {
         let (tx, rx) = std::sync::mpsc::channel();
-        let mut pending = 0;
-        for s in &self.senders {
-            if s.send(Msg::Persist(tx.clone())).is_ok() {
-                pending += 1;
-            }
-        }
+        let pending = self
+            .senders
+            .iter()
+            .filter(|s| s.send(make(tx.clone())).is_ok())
+            .count();
         drop(tx);
-        let mut ok = true;
-        for _ in 0..pending {
-            ok &= rx.recv().unwrap_or(false);
-        }
-        ok
+        rx.iter().take(pending).collect()
     }
 
     /// Abandons the checkpoint of (source, partition): everything applied is committed, every
@@ -393,17 +383,7 @@ impl Pipeline {
     pub fn forget_partition(&self, source: &str, partition: i32) -> Result<(), StoreError> {
         let id = self.progress.id(source, partition);
         self.persist();
-        let (tx, rx) = std::sync::mpsc::channel();
-        let mut pending = 0;
-        for s in &self.senders {
-            if s.send(Msg::Forget(id, tx.clone())).is_ok() {
-                pending += 1;
-            }
-        }
-        drop(tx);
-        for _ in 0..pending {
-            let _ = rx.recv();
-        }
+        self.broadcast(|ack| Msg::Forget(id, ack));
         if let Some(store) = &self.store {
             store.forget_partition(source, partition)?;
         }

@@ -18,18 +18,6 @@ const SEED: u64 = 0x6b76_696e_6465_7831;
 const START: Duration = Duration::from_secs(60);
 const CATCH_UP: Duration = Duration::from_secs(90);
 
-async fn publish(publisher: &KafkaPublisher, events: &[Event]) -> usize {
-    let mut n = 0;
-    for run in events.chunk_by(|a, b| a.engine == b.engine) {
-        publisher
-            .send(Some(&run[0].engine), &[], &encode::to_proto(run))
-            .await
-            .unwrap();
-        n += 1;
-    }
-    n
-}
-
 /// Produces `requests` fleet requests, applying them to `reference` too; returns messages.
 async fn produce(
     publisher: &KafkaPublisher,
@@ -43,7 +31,7 @@ async fn produce(
         for ev in &events {
             let _ = reference.apply(ev, 0);
         }
-        messages += publish(publisher, &events).await;
+        messages += publish_kafka(publisher, &events).await;
     }
     publisher.flush(Duration::from_secs(30)).await.unwrap();
     messages
@@ -286,7 +274,7 @@ async fn kafka_group_commits_durable_offsets_and_rides_out_broker_faults() {
         for ev in events {
             let _ = reference.apply(ev, 0);
         }
-        total += publish(&publisher2, events).await;
+        total += publish_kafka(&publisher2, events).await;
     }
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert_eq!(
@@ -412,6 +400,27 @@ async fn publish_nats(p: &mut NatsPublisher, subject_prefix: &str, events: &[Eve
     n
 }
 
+/// Publishes `requests` fleet requests to NATS, applying them to `reference` too, and waits for
+/// the server's acks; returns how many messages were published.
+async fn produce_nats(
+    p: &mut NatsPublisher,
+    prefix: &str,
+    fleet: &mut Fleet,
+    reference: &Index,
+    requests: usize,
+) -> usize {
+    let mut sent = 0;
+    for _ in 0..requests {
+        let events = fleet.next_request();
+        for ev in &events {
+            let _ = reference.apply(ev, 0);
+        }
+        sent += publish_nats(p, prefix, &events).await;
+    }
+    p.flush().await.unwrap();
+    sent
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_jetstream_end_to_end_with_restart_and_purge() {
     let stream = unique("KVSERVE");
@@ -441,15 +450,7 @@ seed = {SEED}
         .unwrap();
     let mut fleet = Fleet::new(FleetConfig::default());
     let reference = reference_index(2);
-    let mut sent = 0;
-    for _ in 0..100 {
-        let events = fleet.next_request();
-        for ev in &events {
-            let _ = reference.apply(ev, 0);
-        }
-        sent += publish_nats(&mut p, &prefix, &events).await;
-    }
-    p.flush().await.unwrap();
+    let mut sent = produce_nats(&mut p, &prefix, &mut fleet, &reference, 100).await;
     let kv = blocking(|| spawn_kvindex(&["serve", "--config", &config], &data, &[], START));
     let stats = blocking(|| wait_caught_up(&kv, sent + 1));
     assert_eq!(stats["sources"]["kind"], "nats");
@@ -464,14 +465,7 @@ seed = {SEED}
     blocking(|| kv.kill9());
 
     // Restart after kill -9: warm, resumes from the checkpoint, applies new messages.
-    for _ in 0..20 {
-        let events = fleet.next_request();
-        for ev in &events {
-            let _ = reference.apply(ev, 0);
-        }
-        sent += publish_nats(&mut p, &prefix, &events).await;
-    }
-    p.flush().await.unwrap();
+    sent += produce_nats(&mut p, &prefix, &mut fleet, &reference, 20).await;
     let kv = blocking(|| spawn_kvindex(&["serve", "--config", &config], &data, &[], START));
     blocking(|| wait_caught_up(&kv, sent + 1));
     for (part, t) in &queries {
@@ -534,15 +528,7 @@ seed = {SEED}
         .unwrap();
     let mut fleet = Fleet::new(FleetConfig::default());
     let reference = reference_index(2);
-    let mut sent = 0;
-    for _ in 0..60 {
-        let events = fleet.next_request();
-        for ev in &events {
-            let _ = reference.apply(ev, 0);
-        }
-        sent += publish_nats(&mut p, &prefix, &events).await;
-    }
-    p.flush().await.unwrap();
+    let mut sent = produce_nats(&mut p, &prefix, &mut fleet, &reference, 60).await;
     let kv = blocking(|| {
         spawn_kvindex(
             &["serve", "--config", &config],
@@ -564,14 +550,7 @@ seed = {SEED}
     server.spawn();
     // Publish more once JetStream answers again; kvindex resumes by itself.
     let mut p = wait_for_publisher(&server.url(), &stream, &prefix).await;
-    for _ in 0..30 {
-        let events = fleet.next_request();
-        for ev in &events {
-            let _ = reference.apply(ev, 0);
-        }
-        sent += publish_nats(&mut p, &prefix, &events).await;
-    }
-    p.flush().await.unwrap();
+    sent += produce_nats(&mut p, &prefix, &mut fleet, &reference, 30).await;
     blocking(|| wait_caught_up(&kv, sent + 1));
     for _ in 0..8 {
         let (part, tokens) = fleet.sample_query();

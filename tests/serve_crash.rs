@@ -11,7 +11,6 @@
 mod support;
 
 use kvindex::config::Config;
-use kvindex::event::{Event, encode};
 use kvindex::index::{Index, IndexConfig};
 use kvindex::produce::{Fleet, FleetConfig, Rng};
 use kvindex::service::Service;
@@ -36,18 +35,6 @@ fn fleet_config() -> FleetConfig {
         seed: 42,
         ..FleetConfig::default()
     }
-}
-
-async fn publish(publisher: &KafkaPublisher, events: &[Event]) -> usize {
-    let mut n = 0;
-    for run in events.chunk_by(|a, b| a.engine == b.engine) {
-        n += 1;
-        publisher
-            .send(Some(&run[0].engine), &[], &encode::to_proto(run))
-            .await
-            .expect("enqueue");
-    }
-    n
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -109,7 +96,7 @@ interval_ms = 20
                 for ev in &events {
                     let _ = reference.apply(ev, 0);
                 }
-                sent += publish(&publisher, &events).await;
+                sent += publish_kafka(&publisher, &events).await;
             }
             tokio::time::sleep(Duration::from_millis(rng.range(0, 400) as u64)).await;
             child.kill().unwrap();
@@ -129,7 +116,7 @@ interval_ms = 20
             for ev in &events {
                 let _ = reference.apply(ev, 0);
             }
-            sent += publish(&publisher, &events).await;
+            sent += publish_kafka(&publisher, &events).await;
         }
         if trial % 6 == 0 {
             queries.extend((0..8).map(|_| fleet.sample_query()));

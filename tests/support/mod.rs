@@ -217,6 +217,28 @@ pub fn caught_up(stats: &Value, log_end: i64) -> bool {
         })
 }
 
+/// Publishes `events` to Kafka, one protobuf payload per run of one engine's events, keyed by
+/// the engine id (so each engine's events stay ordered in one partition); returns how many
+/// messages were enqueued.
+pub async fn publish_kafka(
+    publisher: &kvindex::source::KafkaPublisher,
+    events: &[kvindex::event::Event],
+) -> usize {
+    let mut n = 0;
+    for run in events.chunk_by(|a, b| a.engine == b.engine) {
+        publisher
+            .send(
+                Some(&run[0].engine),
+                &[],
+                &kvindex::event::encode::to_proto(run),
+            )
+            .await
+            .expect("enqueue");
+        n += 1;
+    }
+    n
+}
+
 /// Writes `toml` to `<dir>/kvindex.toml` and returns its path as a string.
 pub fn write_config(dir: &Path, toml: &str) -> String {
     let path = dir.join("kvindex.toml");
