@@ -66,24 +66,23 @@ pub fn store_dir(config: &Config) -> PathBuf {
 
 /// Opens the store; `index.shards = 0` (auto) adopts the shard count the store was written
 /// with, so a data dir moves between machines with different core counts.
-fn open_store(config: &Config) -> Result<Store, StoreError> {
+fn open_store(config: &Config) -> Result<Store, ServiceError> {
     let dir = store_dir(config);
-    std::fs::create_dir_all(&dir).map_err(|e| StoreError::Corrupt {
-        what: "data_dir",
-        detail: format!("cannot create {}: {e}", dir.display()),
-    })?;
+    std::fs::create_dir_all(&dir)
+        .map_err(|e| std::io::Error::new(e.kind(), format!("creating {}: {e}", dir.display())))?;
     let mut opts = StoreOptions {
         shards: config.index_config().shards,
         seed: config.index.seed,
         sync: false,
     };
-    match Store::open(&dir, &opts) {
+    let store = match Store::open(&dir, &opts) {
         Err(StoreError::ShardCountMismatch { stored, .. }) if config.index.shards == 0 => {
             opts.shards = stored as usize;
             Store::open(&dir, &opts)
         }
         other => other,
-    }
+    };
+    Ok(store?)
 }
 
 impl Service {
