@@ -580,3 +580,84 @@ async fn wait_for_publisher(url: &str, stream: &str, prefix: &str) -> NatsPublis
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay_rebuilds_from_a_topic_and_serve_resumes_from_it() {
+    let topic = "kv-replay";
+    let broker = EmbeddedBroker::start(topic, 2).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let config = kafka_config(dir.path(), &broker, topic, "kvindex");
+    let publisher =
+        KafkaPublisher::new(&broker.bootstrap_servers(), topic, &Default::default()).unwrap();
+    let mut fleet = Fleet::new(FleetConfig::default());
+    let reference = reference_index(2);
+    let total = produce(&publisher, &mut fleet, &reference, 120).await;
+
+    let run_replay = |from: &str, data: &std::path::Path| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_kvindex"))
+            .args(["replay", "--config", &config, "--from", from, "--data-dir"])
+            .arg(data)
+            .env("KVINDEX_LOG", "warn")
+            .output()
+            .expect("running kvindex replay")
+    };
+    let data = dir.path().join("rebuilt");
+    let out = blocking(|| run_replay("earliest", &data));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("replayed kafka:kv-replay"), "{stdout}");
+    // Replaying into a data dir that holds an index is refused.
+    let again = blocking(|| run_replay("earliest", &data));
+    assert!(!again.status.success());
+    assert!(String::from_utf8_lossy(&again.stderr).contains("already holds an index"));
+
+    // `serve` on the rebuilt dir is warm and has nothing left to read.
+    let kv = blocking(|| spawn_kvindex(&["serve", "--config", &config], &data, &[], START));
+    let stats = blocking(|| wait_caught_up(&kv, total));
+    assert_eq!(
+        stats["sources"]["messages"], 0,
+        "resumed from the replay's checkpoint"
+    );
+    for _ in 0..8 {
+        let (p, t) = fleet.sample_query();
+        assert_eq!(
+            http_answer(&kv, &p, &t),
+            reference_answer(&reference, &p, &t)
+        );
+    }
+    blocking(|| kv.terminate());
+
+    // From an offset: every partition starts there, so what is below it is not indexed.
+    let partial = dir.path().join("partial");
+    let out = blocking(|| run_replay("offset:1000000", &partial));
+    assert!(
+        !out.status.success(),
+        "an offset past the log end is a divergence"
+    );
+    let out = blocking(|| run_replay("offset:10", &dir.path().join("from10")));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let applied: u64 = String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .skip_while(|w| *w != "into")
+        .nth(2)
+        .and_then(|n| n.parse().ok())
+        .expect("the summary names the events applied");
+    let all: u64 = stdout
+        .split_whitespace()
+        .skip_while(|w| *w != "into")
+        .nth(2)
+        .and_then(|n| n.parse().ok())
+        .unwrap();
+    assert!(
+        applied < all,
+        "offset:10 skipped the first messages ({applied} of {all})"
+    );
+}
