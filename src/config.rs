@@ -203,6 +203,10 @@ pub struct NatsConfig {
     /// Which subject token is the engine id for vLLM payloads; negative counts from the end
     /// (-1 = last), as in Python indexing.
     pub engine_token: i64,
+    /// `true`: a JetStream durable pull consumer (resumable). `false`: plain core NATS
+    /// subscriptions, AT-MOST-ONCE (no replay, no resume: what is published while kvindex is
+    /// down is lost).
+    pub jetstream: bool,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -308,6 +312,7 @@ impl Default for NatsConfig {
             subjects: vec!["kv.events.>".into()],
             durable: "kvindex".into(),
             engine_token: -1,
+            jetstream: true,
         }
     }
 }

@@ -295,9 +295,11 @@ impl SourceSetup {
         })
     }
 
-    /// The source whose stored offsets are meaningless at this start (the embedded log).
+    /// The source whose stored offsets are meaningless at this start: the embedded broker's
+    /// (a new log every start) and core NATS's (a local counter restarting at 1).
     pub fn forget_on_start(&self) -> Option<String> {
-        self.embedded.as_ref().map(|_| self.spec.name())
+        let core_nats = matches!(&self.spec, SourceSpec::Nats(s) if !s.jetstream);
+        (self.embedded.is_some() || core_nats).then(|| self.spec.name())
     }
 
     pub fn bootstrap(&self) -> Option<String> {

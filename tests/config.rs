@@ -64,6 +64,7 @@ fn defaults() {
     assert_eq!(c.source.nats.subjects, vec!["kv.events.>".to_string()]);
     assert_eq!(c.source.nats.durable, "kvindex");
     assert_eq!(c.source.nats.engine_token, -1);
+    assert!(c.source.nats.jetstream);
     assert_eq!(c.source.vllm.model, "");
     assert_eq!(c.source.vllm.tenant, "");
     assert!(c.source.vllm.lora_names.is_empty());

@@ -661,3 +661,52 @@ async fn replay_rebuilds_from_a_topic_and_serve_resumes_from_it() {
         "offset:10 skipped the first messages ({applied} of {all})"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn core_nats_is_consumed_live() {
+    let prefix = format!("kvcore.{}", unique("c").to_lowercase());
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config(
+        dir.path(),
+        &format!(
+            r#"
+[source]
+kind = "nats"
+[source.nats]
+subjects = ["{prefix}.>"]
+jetstream = false
+"#
+        ),
+    );
+    let kv = blocking(|| {
+        spawn_kvindex(
+            &["serve", "--config", &config],
+            &dir.path().join("data"),
+            &[],
+            START,
+        )
+    });
+    blocking(|| {
+        wait_for("the core subscription", CATCH_UP, || {
+            let s = kv.stats();
+            (s["sources"]["kind"] == "nats-core" && s["sources"]["connected"] == true).then_some(())
+        })
+    });
+    let mut p = NatsPublisher::connect("nats://127.0.0.1:4222", false)
+        .await
+        .expect("NATS must be running at 127.0.0.1:4222 (scripts/setup.sh starts it)");
+    let mut fleet = Fleet::new(FleetConfig::default());
+    let mut events = 0;
+    for _ in 0..20 {
+        let request = fleet.next_request();
+        events += request.len() as u64;
+        publish_nats(&mut p, &prefix, &request).await;
+    }
+    p.flush().await.unwrap();
+    blocking(|| {
+        wait_for("the live messages to be applied", CATCH_UP, || {
+            (kv.stats()["events"]["applied_total"].as_u64() == Some(events)).then_some(())
+        })
+    });
+    blocking(|| kv.terminate());
+}

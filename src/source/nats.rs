@@ -118,7 +118,7 @@ pub struct NatsSettings {
 }
 
 impl NatsSettings {
-    /// JetStream settings from `[source.nats]`, stopping on divergence.
+    /// The settings of `[source.nats]`, stopping on divergence.
     pub fn from_config(cfg: &NatsConfig) -> NatsSettings {
         NatsSettings {
             url: cfg.url.clone(),
@@ -126,7 +126,7 @@ impl NatsSettings {
             subjects: cfg.subjects.clone(),
             durable: cfg.durable.clone(),
             engine_token: i32::try_from(cfg.engine_token).unwrap_or(-1),
-            jetstream: true,
+            jetstream: cfg.jetstream,
             reset_on_divergence: false,
         }
     }
