@@ -986,6 +986,11 @@ impl Shard {
     /// Restores one membership: `eid` holds `block` (of partition `pid`) at `tier`, with every
     /// counter (engine tiers, partition blocks and memberships, bitsets) kept as `apply` keeps
     /// them.
+    /// Makes room for about `blocks` blocks before a reload inserts them.
+    pub fn reserve_blocks(&mut self, blocks: usize) {
+        self.table.blocks.reserve(blocks);
+    }
+
     pub fn restore_membership(&mut self, pid: u32, eid: EngineIdx, block: u64, tier: Tier) {
         let engine_count = self.engines.len();
         let engine = &mut self.engines[eid as usize];

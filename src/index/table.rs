@@ -242,6 +242,15 @@ impl<V: Default> KeyTable<V> {
         }
     }
 
+    /// Makes room for `additional` more keys without growing on the way (a reload that knows
+    /// roughly how many rows it will insert skips every intermediate rehash).
+    pub fn reserve(&mut self, additional: usize) {
+        let needed = self.len.saturating_add(additional);
+        if needed.saturating_mul(16) > self.slots.len().saturating_mul(13) {
+            self.resize(needed.saturating_mul(16) / 13 + 1);
+        }
+    }
+
     fn resize(&mut self, capacity: usize) {
         let capacity = capacity.max(MIN_CAPACITY).next_power_of_two();
         let old = std::mem::replace(
