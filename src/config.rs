@@ -189,6 +189,10 @@ pub struct KafkaConfig {
     pub group_id: String,
     /// `earliest`, `latest` or an RFC 3339 time; used only where no checkpoint exists.
     pub start: String,
+    /// Partitions to consume, assigned explicitly (no group rebalancing; the group, if any, is
+    /// used for offset commits only). Empty: the group's assignment, or every partition
+    /// without a group.
+    pub partitions: Vec<i32>,
     /// librdkafka properties passed through verbatim.
     pub properties: BTreeMap<String, String>,
 }
@@ -299,6 +303,7 @@ impl Default for KafkaConfig {
             topic: "kv-events".into(),
             group_id: "kvindex".into(),
             start: "earliest".into(),
+            partitions: Vec::new(),
             properties: BTreeMap::new(),
         }
     }
@@ -361,6 +366,8 @@ const SIGNED_KEYS: &[&str] = &[
     "source.nats.engine_token",
     "writeback.periodic_flush_interval",
 ];
+/// Array keys whose items are integers (partition numbers); every other array holds strings.
+const INTEGER_ARRAY_KEYS: &[&str] = &["source.kafka.partitions"];
 /// String keys with a closed set of values (checked at merge time, so the error names them).
 const ENUM_KEYS: &[(&str, &[&str])] = &[
     ("source.kind", &SourceKind::NAMES),
@@ -456,6 +463,12 @@ impl Config {
                     "must be earliest, latest or an RFC 3339 time (e.g. 2025-01-31T12:00:00Z), got `{}`",
                     kafka.start
                 ),
+            ));
+        }
+        if let Some(p) = kafka.partitions.iter().find(|&&p| p < 0) {
+            return Err(bad(
+                "source.kafka.partitions",
+                format!("partition numbers are ≥ 0, got {p}"),
             ));
         }
         if self.source.kind == SourceKind::Kafka {
@@ -719,6 +732,20 @@ fn coerce(field: &str, default: &Value, v: Value, origin: &str) -> Result<Value,
         (Value::Float(_), Value::Float(f)) => Value::Float(f),
         (Value::Float(_), Value::Integer(i)) => Value::Float(i as f64),
         (Value::Boolean(_), Value::Boolean(b)) => Value::Boolean(b),
+        (Value::Array(_), Value::Array(items)) if INTEGER_ARRAY_KEYS.contains(&field) => {
+            if let Some(bad) = items
+                .iter()
+                .find(|i| !matches!(i, Value::Integer(n) if *n >= 0))
+            {
+                return Err(mistyped(
+                    field,
+                    "an array of non-negative integers",
+                    bad,
+                    origin,
+                ));
+            }
+            Value::Array(items)
+        }
         (Value::Array(_), Value::Array(items)) => {
             if let Some(bad) = items.iter().find(|i| !matches!(i, Value::String(_))) {
                 return Err(mistyped(field, "an array of strings", bad, origin));
@@ -832,7 +859,12 @@ fn merge_env(tree: &mut Table, var: &str, raw: &str) -> Result<(), ConfigError> 
                     raw.split(',')
                         .map(str::trim)
                         .filter(|s| !s.is_empty())
-                        .map(|s| Value::String(s.to_string()))
+                        .map(|s| match s.parse::<i64>() {
+                            Ok(n) if INTEGER_ARRAY_KEYS.contains(&field.as_str()) => {
+                                Value::Integer(n)
+                            }
+                            _ => Value::String(s.to_string()),
+                        })
                         .collect(),
                 )
             }

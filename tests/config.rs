@@ -412,6 +412,10 @@ fn every_validation_error_names_its_field() {
             "[writeback]\nwrite_back_on_evict = false\nemergency_evict_for_restore = true",
             "writeback.emergency_evict_for_restore",
         ),
+        (
+            "[source.kafka]\npartitions = [0, -1]",
+            "source.kafka.partitions",
+        ),
         ("[checkpoint]\ninterval_ms = 0", "checkpoint.interval_ms"),
         ("[checkpoint]\nmax_events = 0", "checkpoint.max_events"),
     ];
@@ -569,4 +573,22 @@ fn rfc3339() {
     ] {
         assert_eq!(parse_rfc3339_us(bad), None, "{bad:?} must be rejected");
     }
+}
+
+#[test]
+fn kafka_partitions_from_file_and_env() {
+    let c = load_text("[source.kafka]\npartitions = [0, 3]").unwrap();
+    assert_eq!(c.source.kafka.partitions, vec![0, 3]);
+    let c = load_env(&[("KVINDEX_SOURCE__KAFKA__PARTITIONS", "1, 2")]).unwrap();
+    assert_eq!(c.source.kafka.partitions, vec![1, 2]);
+    let c = load_env(&[("KVINDEX_SOURCE__KAFKA__PARTITIONS", "[4]")]).unwrap();
+    assert_eq!(c.source.kafka.partitions, vec![4]);
+    assert_names(
+        load_text("[source.kafka]\npartitions = [\"a\"]"),
+        "source.kafka.partitions",
+    );
+    assert_names(
+        load_env(&[("KVINDEX_SOURCE__KAFKA__PARTITIONS", "x")]),
+        "source.kafka.partitions",
+    );
 }

@@ -710,3 +710,46 @@ jetstream = false
     });
     blocking(|| kv.terminate());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_explicit_partition_list_is_consumed_alone() {
+    let topic = "kv-explicit";
+    let broker = EmbeddedBroker::start(topic, 2).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let config = kafka_config(dir.path(), &broker, topic, "");
+    let config = write_config(
+        dir.path(),
+        &std::fs::read_to_string(&config)
+            .unwrap()
+            .replace("group_id = \"\"", "group_id = \"\"\npartitions = [1]"),
+    );
+    let publisher =
+        KafkaPublisher::new(&broker.bootstrap_servers(), topic, &Default::default()).unwrap();
+    let mut fleet = Fleet::new(FleetConfig::default());
+    produce(&publisher, &mut fleet, &reference_index(2), 40).await;
+    let kv = blocking(|| {
+        spawn_kvindex(
+            &["serve", "--config", &config],
+            &dir.path().join("data"),
+            &[],
+            START,
+        )
+    });
+    let stats = blocking(|| {
+        wait_for("partition 1 to be consumed", CATCH_UP, || {
+            let s = kv.stats();
+            let high = s["sources"]["partitions"][0]["high_watermark"]
+                .as_i64()
+                .unwrap_or(0);
+            (high > 0 && caught_up(&s, high)).then_some(s)
+        })
+    });
+    let parts = stats["sources"]["partitions"].as_array().unwrap();
+    assert_eq!(parts.len(), 1, "{parts:?}");
+    assert_eq!(parts[0]["partition"], 1);
+    assert_eq!(
+        stats["sources"]["messages"].as_i64().unwrap(),
+        parts[0]["high_watermark"].as_i64().unwrap()
+    );
+    blocking(|| kv.terminate());
+}

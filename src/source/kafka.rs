@@ -99,7 +99,7 @@ impl KafkaSettings {
             brokers: k.brokers.clone(),
             topic: k.topic.clone(),
             group_id: Some(k.group_id.clone()).filter(|g| !g.is_empty()),
-            partitions: None,
+            partitions: (!k.partitions.is_empty()).then(|| k.partitions.clone()),
             start: config.kafka_start()?,
             properties: k.properties.clone(),
             reset_on_divergence: false,
