@@ -986,6 +986,13 @@ impl Shard {
     /// Restores one membership: `eid` holds `block` (of partition `pid`) at `tier`, with every
     /// counter (engine tiers, partition blocks and memberships, bitsets) kept as `apply` keeps
     /// them.
+    /// Starts loading the table slot of block `key` into the cache (a reload prefetches a
+    /// group of rows before it restores them).
+    #[inline]
+    pub fn prefetch_block(&self, key: u64) {
+        self.table.blocks.prefetch(key);
+    }
+
     /// Makes room for about `blocks` blocks before a reload inserts them.
     pub fn reserve_blocks(&mut self, blocks: usize) {
         self.table.blocks.reserve(blocks);

@@ -32,7 +32,8 @@
 mod codec;
 mod registry;
 
-use crate::event::PartitionKey;
+use crate::event::{PartitionKey, Tier};
+use crate::index::holders::EngineIdx;
 use crate::index::{BlockChange, ChangeSet, Shard, SkipReason};
 use codec::*;
 use parking_lot::Mutex;
@@ -565,18 +566,24 @@ impl Store {
         // Capped: the estimate counts overwritten rows too, and the table never shrinks.
         let per_shard = (estimate / u64::from(self.shards)).min(1 << 26) as usize;
         l.into.reserve_blocks(per_shard);
+        // Rows arrive in key order but land in random table slots: they are restored in
+        // groups whose slots are prefetched first, so the cache misses overlap.
+        let mut pending: Vec<(u64, u32, EngineIdx, Tier)> = Vec::with_capacity(RESTORE_GROUP * 2);
         self.scan(CF_BLOCKS, &shard.to_be_bytes(), |k, v| {
             let block = u64_at(k, 2).ok_or_else(|| corrupt("block key", k))?;
             let (p, holders) = decode_block(v)?;
             let pid = l.partition(p)?;
+            l.into.prefetch_block(block);
             for (e, tier) in holders {
-                let eid = l.engine(e)?;
-                l.into.restore_membership(pid, eid, block, tier);
-                l.stats.memberships += 1;
+                pending.push((block, pid, l.engine(e)?, tier));
             }
             l.stats.blocks += 1;
+            if pending.len() >= RESTORE_GROUP {
+                l.restore_memberships(&mut pending);
+            }
             Ok(())
         })?;
+        l.restore_memberships(&mut pending);
         Ok(l.stats)
     }
 
@@ -618,6 +625,9 @@ impl Store {
     }
 }
 
+/// Memberships restored per prefetched group during a reload.
+const RESTORE_GROUP: usize = 16;
+
 /// Durable id → shard-local id translation during one [`Store::load_shard`].
 struct Loader<'a> {
     store: &'a Store,
@@ -629,6 +639,15 @@ struct Loader<'a> {
 }
 
 impl Loader<'_> {
+    /// Restores the buffered (block, partition, engine, tier) memberships, whose block slots
+    /// were prefetched as they were read.
+    fn restore_memberships(&mut self, pending: &mut Vec<(u64, u32, EngineIdx, Tier)>) {
+        for (block, pid, eid, tier) in pending.drain(..) {
+            self.into.restore_membership(pid, eid, block, tier);
+            self.stats.memberships += 1;
+        }
+    }
+
     fn partition(&mut self, id: u32) -> Result<u32, StoreError> {
         if let Some(&pid) = self.partitions.get(&id) {
             return Ok(pid);
