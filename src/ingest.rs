@@ -40,7 +40,7 @@ const RETRY_MAX: Duration = Duration::from_secs(5);
 /// How to reach the source.
 #[derive(Clone, Debug)]
 pub enum SourceSpec {
-    /// Kafka (also the embedded broker, with `embedded_bootstrap` set for the report).
+    /// Kafka; `embedded`: the in-process broker (reported as kind `embedded`).
     Kafka {
         settings: KafkaSettings,
         embedded: bool,
