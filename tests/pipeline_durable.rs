@@ -1,6 +1,7 @@
-//! The durable pipeline in process: redelivered messages are skipped and counted, state is
-//! unchanged by them, offsets survive a reopen, and events below a shard's durable offset are
-//! not applied twice after it.
+//! The durable pipeline in process: redelivered messages (a whole batch again, and a consumer
+//! seeking back to the start of a real Kafka-protocol log) are skipped and counted as
+//! duplicates and leave the state unchanged; offsets survive a reopen, and events below a
+//! shard's durable offset are not applied twice after it.
 
 mod support;
 
@@ -111,4 +112,85 @@ fn redelivery_is_skipped_counted_and_changes_nothing() {
         fingerprint(&service.index, &queries, 16),
         fingerprint(&reference, &queries, 16)
     );
+}
+
+/// Reads every message of `topic` from the log start with a fresh consumer (a seek back to
+/// earliest) and hands them to the service's pipeline as the real ingest loop does.
+async fn read_all_from_start(
+    broker: &kvindex::source::EmbeddedBroker,
+    topic: &str,
+    service: &Service,
+    expect: usize,
+) {
+    let settings = kvindex::source::KafkaSettings {
+        brokers: broker.bootstrap_servers(),
+        topic: topic.into(),
+        group_id: None,
+        partitions: None,
+        start: kvindex::config::StartPosition::Earliest,
+        properties: Default::default(),
+        reset_on_divergence: false,
+        log_is_ephemeral: false,
+    };
+    let mut source = kvindex::source::KafkaSource::new(
+        settings,
+        std::sync::Arc::new(kvindex::source::NoCheckpoints),
+    )
+    .unwrap();
+    let opts = service.config.decode_options();
+    let source_name = source.source_name();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let mut seen = 0;
+    while seen < expect {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "read {seen} of {expect}"
+        );
+        let batch = source
+            .next_batch(512, std::time::Duration::from_millis(200))
+            .await
+            .unwrap();
+        seen += batch.len();
+        service
+            .pipeline
+            .ingest_batch(&source_name, &batch, &opts)
+            .unwrap();
+    }
+    assert!(service.pipeline.persist());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_seek_back_on_a_real_broker_is_skipped_and_counted() {
+    let topic = "kv-seek-back";
+    let broker = kvindex::source::EmbeddedBroker::start(topic, 2).unwrap();
+    let publisher = kvindex::source::KafkaPublisher::new(
+        &broker.bootstrap_servers(),
+        topic,
+        &Default::default(),
+    )
+    .unwrap();
+    let mut fleet = Fleet::new(FleetConfig::default());
+    let mut messages = 0;
+    for _ in 0..80 {
+        messages += support::publish_kafka(&publisher, &fleet.next_request()).await;
+    }
+    publisher
+        .flush(std::time::Duration::from_secs(30))
+        .await
+        .unwrap();
+    let queries: Vec<_> = (0..16).map(|_| fleet.sample_query()).collect();
+
+    let dir = tempfile::tempdir().unwrap();
+    let service = Service::open(config(dir.path()), None).unwrap();
+    read_all_from_start(&broker, topic, &service, messages).await;
+    let applied = service.metrics.applied_total();
+    let before = fingerprint(&service.index, &queries, 16);
+    assert!(before.answers.iter().any(|a| !a.is_empty()), "vacuous");
+    assert_eq!(service.metrics.duplicates.load(Relaxed), 0);
+
+    // The same log again from offset 0: every event is a duplicate, nothing changes.
+    read_all_from_start(&broker, topic, &service, messages).await;
+    assert_eq!(service.metrics.duplicates.load(Relaxed), applied);
+    assert_eq!(service.metrics.applied_total(), applied);
+    assert_eq!(fingerprint(&service.index, &queries, 16), before);
 }
