@@ -17,15 +17,17 @@ use kvindex::event::{
     decode_payload, encode,
 };
 
-/// xorshift64: deterministic, so a failure reproduces.
-struct Rng(u64);
+/// The project's seeded generator (`kvindex::produce::Rng`), deterministic so a failure
+/// reproduces, with the small API these tests use.
+struct Rng(kvindex::produce::Rng);
 
 impl Rng {
+    fn new(seed: u64) -> Rng {
+        Rng(kvindex::produce::Rng::new(seed))
+    }
+
     fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
+        self.0.next_u64()
     }
 
     fn below(&mut self, n: u64) -> u64 {
@@ -272,7 +274,7 @@ fn check_against_prost(bytes: &[u8]) -> (bool, bool) {
 
 #[test]
 fn proto_fast_path_matches_prost_on_random_messages() {
-    let mut rng = Rng(0x5eed_1234_abcd_0001);
+    let mut rng = Rng::new(0x5eed_1234_abcd_0001);
     for groups in [false, true] {
         let (mut ok, mut fast_ok, mut errors) = (0, 0, 0);
         for i in 0..10_000 {
@@ -300,7 +302,7 @@ fn proto_fast_path_matches_prost_on_random_messages() {
 
 #[test]
 fn proto_fast_path_matches_prost_on_mutations() {
-    let mut rng = Rng(0x0bad_cafe_f00d_0002);
+    let mut rng = Rng::new(0x0bad_cafe_f00d_0002);
     for _ in 0..5_000 {
         let mut bytes = if rng.chance(30) {
             random_batch(&mut rng, true)
@@ -490,7 +492,7 @@ fn content_tokens(ev: &Event) -> &[u32] {
 
 #[test]
 fn vllm_tokens_and_hashes_in_every_integer_form() {
-    let mut rng = Rng(0x7007_0003);
+    let mut rng = Rng::new(0x7007_0003);
     for _ in 0..300 {
         let n = 1 + rng.below(12) as usize;
         let values: Vec<u64> = (0..n)
