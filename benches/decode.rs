@@ -37,18 +37,12 @@ fn typical_stored(i: u64) -> Event {
     ev
 }
 
-/// [`typical_stored`] with token ids drawn uniformly from a 128k vocabulary (xorshift, seeded
-/// by `i`): the mix of 2- and 3-byte varints real prompts have.
+/// [`typical_stored`] with token ids drawn uniformly from a 128k vocabulary (the fleet's
+/// seeded generator, seeded by `i`): the mix of 2- and 3-byte varints real prompts have.
 fn random_stored(i: u64) -> Event {
     let mut ev = typical_stored(i);
-    let mut x = i.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
     if let BlockContent::Tokens { token_ids, .. } = &mut ev.content {
-        for t in token_ids.iter_mut() {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            *t = (x % 128_000) as u32;
-        }
+        *token_ids = kvindex::produce::Rng::new(i).tokens(token_ids.len());
     }
     ev
 }
