@@ -10,34 +10,15 @@
 //! vLLM: token ids and block hashes in every msgpack integer form decode to the same values
 //! as before, and a bad item after a run of good ones still gets the general reader's error.
 
+mod support;
+
 use kvindex::event::detect::{DecodeOptions, Format};
 use kvindex::event::proto::{decode, decode_fast, decode_prost};
 use kvindex::event::{
     BlockContent, DecodeError, EngineHash, Envelope, Event, EventKind, PartitionKey, VllmOptions,
     decode_payload, encode,
 };
-
-/// The project's seeded generator (`kvindex::produce::Rng`), deterministic so a failure
-/// reproduces, with the small API these tests use.
-struct Rng(kvindex::produce::Rng);
-
-impl Rng {
-    fn new(seed: u64) -> Rng {
-        Rng(kvindex::produce::Rng::new(seed))
-    }
-
-    fn next(&mut self) -> u64 {
-        self.0.next_u64()
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-
-    fn chance(&mut self, percent: u64) -> bool {
-        self.below(100) < percent
-    }
-}
+use support::TestRng as Rng;
 
 /// Protobuf wire writer with knobs prost's encoder never turns.
 #[derive(Default)]

@@ -4,6 +4,8 @@
 //! The invariant checked after (almost) every step: for every key, L1's value if resident,
 //! else L2's durable value, equals the reference model. A key absent from both is absent.
 
+mod support;
+
 use kvindex::writeback::{
     BreakerState, CircuitBreaker, EmergencyError, Fault, FaultHandle, FaultInjector, L1Tier,
     L2Error, L2Row, L2Sink, ManualClock, MemL1, RocksSink, RocksSinkOptions, Stop,
@@ -14,31 +16,10 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use support::TestRng as Rng;
 
 type Reference = BTreeMap<Vec<u8>, Vec<u8>>;
 type Ctl = WritebackController<Arc<MemL1>, FaultInjector<RocksSink>>;
-
-/// The project's seeded generator (`kvindex::produce::Rng`): deterministic schedules, so a
-/// failing seed reproduces.
-struct Rng(kvindex::produce::Rng);
-
-impl Rng {
-    fn new(seed: u64) -> Rng {
-        Rng(kvindex::produce::Rng::new(seed))
-    }
-
-    fn next(&mut self) -> u64 {
-        self.0.next_u64()
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-
-    fn bytes(&mut self, len: usize) -> Vec<u8> {
-        (0..len).map(|_| self.next() as u8).collect()
-    }
-}
 
 /// Everything a test drives: L1, the controller (owning the fault-injected RocksDB sink), the
 /// fault switchboard, the manual clock, and the reference model.

@@ -217,6 +217,34 @@ pub fn caught_up(stats: &Value, log_end: i64) -> bool {
         })
 }
 
+/// The project's seeded generator (`kvindex::produce::Rng`) with the small API randomized
+/// tests use; deterministic, so a failing seed reproduces.
+pub struct TestRng(kvindex::produce::Rng);
+
+impl TestRng {
+    pub fn new(seed: u64) -> TestRng {
+        TestRng(kvindex::produce::Rng::new(seed))
+    }
+
+    pub fn next(&mut self) -> u64 {
+        self.0.next_u64()
+    }
+
+    /// In `0..n` (0 when `n` is 0).
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+
+    /// True `percent` times in 100.
+    pub fn chance(&mut self, percent: u64) -> bool {
+        self.below(100) < percent
+    }
+
+    pub fn bytes(&mut self, len: usize) -> Vec<u8> {
+        (0..len).map(|_| self.next() as u8).collect()
+    }
+}
+
 /// Publishes `events` to Kafka, one protobuf payload per run of one engine's events, keyed by
 /// the engine id (so each engine's events stay ordered in one partition); returns how many
 /// messages were enqueued.
