@@ -205,10 +205,18 @@ pub struct NatsSource {
     high_at_start: i64,
     /// Next sequence to deliver (-1 before positioned); core NATS: next local counter value.
     position: i64,
+    health: Health,
+}
+
+/// What the source has run into since it connected (all zero / empty at first).
+#[derive(Default)]
+struct Health {
+    /// The divergence consuming is stopped on, if any.
     divergence: Option<Divergence>,
     divergences: u64,
     redeliveries: u64,
     repositions: u64,
+    /// A `reset_on_divergence` restart not yet taken by the caller.
     reset: Option<(Divergence, i64)>,
     last_warn: Option<Instant>,
 }
@@ -302,12 +310,7 @@ impl NatsSource {
                 watermarks,
                 high_at_start: 1,
                 position: 1,
-                divergence: None,
-                divergences: 0,
-                redeliveries: 0,
-                repositions: 0,
-                reset: None,
-                last_warn: None,
+                health: Health::default(),
             });
         }
 
@@ -344,12 +347,7 @@ impl NatsSource {
             watermarks,
             high_at_start: 0,
             position: stored.unwrap_or(-1),
-            divergence: None,
-            divergences: 0,
-            redeliveries: 0,
-            repositions: 0,
-            reset: None,
-            last_warn: None,
+            health: Health::default(),
         };
         match tokio::time::timeout(POSITION_TIMEOUT, source.reposition()).await {
             Ok(Ok(())) => {}
@@ -388,7 +386,7 @@ impl NatsSource {
         if matches!(self.mode, Mode::Core { .. }) {
             return self.core_batch(max, deadline).await;
         }
-        if self.divergence.is_some() {
+        if self.health.divergence.is_some() {
             tokio::time::sleep_until(deadline).await;
             return Ok(Vec::new());
         }
@@ -492,7 +490,7 @@ impl NatsSource {
             position: self.position,
             high_watermark: w.high,
             low_watermark: w.low,
-            divergence: self.divergence.clone(),
+            divergence: self.health.divergence.clone(),
         }]
     }
 
@@ -504,30 +502,30 @@ impl NatsSource {
 
     /// Divergences detected (including those reset past with `reset_on_divergence`).
     pub fn divergences_total(&self) -> u64 {
-        self.divergences
+        self.health.divergences
     }
 
     /// The divergence consuming is stopped on, if any.
     pub fn divergence(&self) -> Option<&Divergence> {
-        self.divergence.as_ref()
+        self.health.divergence.as_ref()
     }
 
     /// Messages delivered again with a sequence below the position (ack wait expired).
     pub fn redeliveries_total(&self) -> u64 {
-        self.redeliveries
+        self.health.redeliveries
     }
 
     /// Times the consumer was (re)created or re-attached after the first positioning
     /// (reconnects, lost deliveries, pull errors, resets).
     pub fn repositions_total(&self) -> u64 {
-        self.repositions
+        self.health.repositions
     }
 
     /// After a `reset_on_divergence` restart: the divergence and the sequence consumption
     /// restarted at, once. The caller must rebase its own notion of "already applied" (the
     /// restarted stream's sequences may be below the stored checkpoint) before applying.
     pub fn take_reset(&mut self) -> Option<(Divergence, i64)> {
-        self.reset.take()
+        self.health.reset.take()
     }
 
     fn js(&self) -> &Js {
@@ -547,12 +545,13 @@ impl NatsSource {
     fn warn_limited(&mut self) -> bool {
         let now = Instant::now();
         if self
+            .health
             .last_warn
             .is_some_and(|t| now.duration_since(t) < WARN_EVERY)
         {
             return false;
         }
-        self.last_warn = Some(now);
+        self.health.last_warn = Some(now);
         true
     }
 
@@ -585,7 +584,7 @@ impl NatsSource {
         let result = tokio::time::timeout(POSITION_TIMEOUT, self.reposition()).await;
         let error = match result {
             Ok(Ok(())) => {
-                self.repositions += 1;
+                self.health.repositions += 1;
                 let js = self.js_mut();
                 js.retry_at = None;
                 js.retry_delay = RETRY_MIN;
@@ -648,16 +647,16 @@ impl NatsSource {
                 None
             };
             if let Some(d) = divergence {
-                self.divergences += 1;
+                self.health.divergences += 1;
                 if !self.settings.reset_on_divergence {
                     tracing::error!(source = %self.name, divergence = ?d, first_seq = marks.low, last_seq = marks.high - 1,
                         "nats: checkpoint diverged from the stream; consuming STOPPED (set reset_on_divergence to restart from the stream's first sequence, or rebuild the index)");
-                    self.divergence = Some(d);
+                    self.health.divergence = Some(d);
                     return Ok(());
                 }
                 tracing::warn!(source = %self.name, divergence = ?d, restart_at = marks.low,
                     "nats: checkpoint diverged from the stream; restarting from the stream's first sequence (reset_on_divergence)");
-                self.reset = Some((d, marks.low));
+                self.health.reset = Some((d, marks.low));
                 self.js_mut().from_start = true;
             }
         }
@@ -786,7 +785,7 @@ impl NatsSource {
         }
         let redelivery = !from_start && seq < position;
         if redelivery {
-            self.redeliveries += 1;
+            self.health.redeliveries += 1;
             tracing::debug!(
                 seq,
                 position,
