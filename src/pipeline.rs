@@ -29,6 +29,7 @@ use crate::index::{Index, SkipReason};
 use crate::metrics::Metrics;
 use crate::source::{Checkpoints, Message};
 use crate::store::{Store, StoreError};
+use crate::writeback::{ShardWriteback, Tiering};
 use std::sync::Arc;
 use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, SyncSender, sync_channel};
@@ -128,7 +129,14 @@ impl Pipeline {
     /// Starts one worker thread per shard of `index`, keeping everything in memory only.
     pub fn start(index: Arc<Index>, metrics: Arc<Metrics>) -> Pipeline {
         let progress = Arc::new(Progress::new(index.shard_count()));
-        Pipeline::spawn(index, metrics, None, progress, CommitPolicy::default())
+        Pipeline::spawn(
+            index,
+            metrics,
+            None,
+            progress,
+            CommitPolicy::default(),
+            None,
+        )
     }
 
     /// Starts the workers of a durable index: `index` holds what `store` held at start (see
@@ -141,7 +149,20 @@ impl Pipeline {
         progress: Arc<Progress>,
         policy: CommitPolicy,
     ) -> Pipeline {
-        Pipeline::spawn(index, metrics, Some(store), progress, policy)
+        Pipeline::spawn(index, metrics, Some(store), progress, policy, None)
+    }
+
+    /// [`Pipeline::start_durable`] with a bounded L1: every shard's worker also runs its
+    /// write-back (see `writeback/live.rs`); the shards must have been attached to `tiering`.
+    pub fn start_tiered(
+        index: Arc<Index>,
+        metrics: Arc<Metrics>,
+        store: Arc<Store>,
+        progress: Arc<Progress>,
+        policy: CommitPolicy,
+        tiering: &Tiering,
+    ) -> Pipeline {
+        Pipeline::spawn(index, metrics, Some(store), progress, policy, Some(tiering))
     }
 
     fn spawn(
@@ -150,6 +171,7 @@ impl Pipeline {
         store: Option<Arc<Store>>,
         progress: Arc<Progress>,
         policy: CommitPolicy,
+        tiering: Option<&Tiering>,
     ) -> Pipeline {
         let mut senders = Vec::new();
         let mut workers = Vec::new();
@@ -163,6 +185,7 @@ impl Pipeline {
                 progress.clone(),
                 policy,
             );
+            worker.writeback = tiering.map(|t| t.for_shard(shard));
             let handle = std::thread::Builder::new()
                 .name(format!("kvindex-shard-{shard}"))
                 .spawn(move || worker.run(rx))
@@ -442,6 +465,8 @@ struct Worker {
     applied_since_commit: u64,
     next_commit: Instant,
     last_warn: Option<Instant>,
+    /// The shard's bounded-L1 duty (`None`: L1 holds everything).
+    writeback: Option<ShardWriteback>,
 }
 
 impl Worker {
@@ -465,6 +490,7 @@ impl Worker {
             applied_since_commit: 0,
             next_commit: Instant::now() + policy.interval,
             last_warn: None,
+            writeback: None,
         };
         // Floors restored from the store (Progress::restore) before the workers started.
         for id in 0..w.progress.len() as PartId {
@@ -490,8 +516,25 @@ impl Worker {
         }
     }
 
+    /// While L1 is at its hard cap (the breaker keeps write-back from freeing it), take no
+    /// events: the queue fills and the sources stop pulling. Commits and write-back retry.
+    fn hold_while_full(&mut self) {
+        while self.writeback.as_ref().is_some_and(|w| w.must_pause()) {
+            if Instant::now() >= self.next_commit {
+                self.commit();
+            }
+            if let Some(w) = self.writeback.as_mut() {
+                w.maintain();
+                if w.must_pause() {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            }
+        }
+    }
+
     fn run(&mut self, rx: Receiver<Msg>) {
         loop {
+            self.hold_while_full();
             let msg = if self.store.is_some() {
                 let wait = self.next_commit.saturating_duration_since(Instant::now());
                 match rx.recv_timeout(wait) {
@@ -529,6 +572,9 @@ impl Worker {
                     || self.applied_since_commit >= self.policy.max_events)
             {
                 self.commit();
+            }
+            if let Some(w) = self.writeback.as_mut() {
+                w.maintain();
             }
         }
         // Shutdown: make what was applied durable.
@@ -589,6 +635,23 @@ impl Worker {
         }
     }
 
+    /// After a commit: the durable ids of engines and partitions that just got them, so the
+    /// shard can read and write their L2 rows.
+    fn learn_durable_ids(&self, store: &Store, changes: &crate::index::ChangeSet) {
+        let mut shard = self.index.shard(self.shard).write();
+        let known = shard.durable_ids_known();
+        if known == (shard.engines().len(), shard.partitions().len()) {
+            return;
+        }
+        let (engines, partitions) = store.durable_ids(&changes.engine_names, &changes.partitions);
+        for (local, durable) in engines {
+            shard.learn_durable_engine(local, durable);
+        }
+        for (local, durable) in partitions {
+            shard.learn_durable_partition(local, durable);
+        }
+    }
+
     /// Commits the shard's changes and dirty floors in one batch. `true` on success or when
     /// there was nothing to commit.
     fn commit(&mut self) -> bool {
@@ -615,8 +678,44 @@ impl Worker {
             .filter(|o| o.2 != NONE)
             .collect();
         let started = Instant::now();
-        match store.commit(self.shard as u16, &changes, &offsets) {
+        // With write-back, the commit (L2's main writer) goes through the breaker too.
+        let permit = match self.writeback.as_ref().map(|w| w.breaker().try_acquire()) {
+            Some(Err(_)) => {
+                self.index
+                    .shard(self.shard)
+                    .write()
+                    .requeue_changes(&changes);
+                if let Some(w) = &self.writeback {
+                    w.count_commit(false, true);
+                }
+                return false;
+            }
+            Some(Ok(p)) => Some(p),
+            None => None,
+        };
+        let injected = self
+            .writeback
+            .as_ref()
+            .and_then(|w| w.injected_commit_fault());
+        let written = match injected {
+            Some(e) => Err(e),
+            None => store.commit(self.shard as u16, &changes, &offsets),
+        };
+        if let Some(p) = permit {
+            if written.is_ok() {
+                p.succeeded();
+            } else {
+                p.failed();
+            }
+        }
+        if let (Some(w), Err(_)) = (&self.writeback, &written) {
+            w.count_commit(true, false);
+        }
+        match written {
             Ok(()) => {
+                if self.writeback.is_some() {
+                    self.learn_durable_ids(&store, &changes);
+                }
                 for (id, p) in &parts {
                     p.set_durable(self.shard, self.floors[*id as usize]);
                 }

@@ -20,6 +20,7 @@ use crate::source::{
     Checkpoints, EmbeddedBroker, KafkaSettings, SourceError, embedded, nats::NatsSettings,
 };
 use crate::store::{LoadStats, Store, StoreError, StoreOptions};
+use crate::writeback::{Clock, SystemClock, Tiering};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
@@ -53,6 +54,8 @@ pub struct Service {
     pub metrics: Arc<Metrics>,
     pub store: Arc<Store>,
     pub pipeline: Arc<Pipeline>,
+    /// The bounded L1's write-back to the store.
+    pub tiering: Arc<Tiering>,
     pub ready: Arc<AtomicBool>,
     /// What was loaded from disk at start, and how long it took.
     pub loaded: LoadStats,
@@ -89,6 +92,16 @@ impl Service {
     /// Opens the store and loads the index from it (steps 1–3 above). `forget_source` names a
     /// source whose stored offsets are dropped first (the embedded broker's).
     pub fn open(config: Config, forget_source: Option<&str>) -> Result<Service, ServiceError> {
+        Service::open_with_clock(config, forget_source, Arc::new(SystemClock))
+    }
+
+    /// [`Service::open`] with the clock of the L2 circuit breaker and flush schedule given
+    /// (tests skip through the breaker's pauses with a [`crate::writeback::ManualClock`]).
+    pub fn open_with_clock(
+        config: Config,
+        forget_source: Option<&str>,
+        clock: Arc<dyn Clock>,
+    ) -> Result<Service, ServiceError> {
         let started = Instant::now();
         let store = Arc::new(open_store(&config)?);
         if let Some(source) = forget_source {
@@ -104,7 +117,8 @@ impl Service {
         let mut index_config = config.index_config();
         index_config.shards = store.shards() as usize;
         let index = Arc::new(Index::new(index_config));
-        let loaded = load(&store, &index)?;
+        let tiering = Arc::new(Tiering::new(&config, index.clone(), store.clone(), clock));
+        let loaded = load(&store, &index, &tiering)?;
         let progress = Arc::new(Progress::new(index.shard_count()));
         for shard in 0..store.shards() {
             for (source, partition, next) in store.shard_offsets(shard)? {
@@ -116,12 +130,13 @@ impl Service {
             interval: Duration::from_millis(config.checkpoint.interval_ms),
             max_events: config.checkpoint.max_events,
         };
-        let pipeline = Arc::new(Pipeline::start_durable(
+        let pipeline = Arc::new(Pipeline::start_tiered(
             index.clone(),
             metrics.clone(),
             store.clone(),
             progress,
             policy,
+            &tiering,
         ));
         let load_time = started.elapsed();
         tracing::info!(
@@ -130,6 +145,7 @@ impl Service {
             blocks = loaded.blocks,
             memberships = loaded.memberships,
             engines = loaded.engines,
+            left_in_l2 = loaded.left_in_l2,
             load_ms = load_time.as_millis() as u64,
             "index loaded from disk"
         );
@@ -139,6 +155,7 @@ impl Service {
             metrics,
             store,
             pipeline,
+            tiering,
             ready: Arc::new(AtomicBool::new(false)),
             loaded,
             load_time,
@@ -151,6 +168,7 @@ impl Service {
         state.ready = self.ready.clone();
         state.default_block_size = self.config.index.default_block_size;
         state.max_body_bytes = self.config.http.max_body_bytes;
+        state.writeback = Some(self.tiering.clone());
         if let Some(report) = report {
             state.sources = Arc::new(move || report.to_json());
         }
@@ -208,14 +226,17 @@ impl Drop for Service {
     }
 }
 
-/// Loads every shard from the store in parallel, then turns change tracking on.
-fn load(store: &Store, index: &Index) -> Result<LoadStats, StoreError> {
+/// Loads every shard from the store in parallel, each up to its share of the L1 budget, puts
+/// the store behind it as L2, then turns change tracking on.
+fn load(store: &Store, index: &Index, tiering: &Tiering) -> Result<LoadStats, StoreError> {
+    let budget = tiering.load_budget();
     let results: Vec<Result<LoadStats, StoreError>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..index.shard_count())
             .map(|shard| {
                 s.spawn(move || {
                     let mut guard = index.shard(shard).write();
-                    let stats = store.load_shard(shard as u16, &mut guard)?;
+                    let stats = store.load_shard_bounded(shard as u16, &mut guard, budget)?;
+                    tiering.attach(&mut guard, shard, stats.left_in_l2 > 0);
                     guard.enable_change_tracking();
                     Ok(stats)
                 })
@@ -241,6 +262,7 @@ fn load(store: &Store, index: &Index) -> Result<LoadStats, StoreError> {
         total.map_entries += s.map_entries;
         total.blocks += s.blocks;
         total.memberships += s.memberships;
+        total.left_in_l2 += s.left_in_l2;
     }
     Ok(total)
 }

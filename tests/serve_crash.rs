@@ -7,6 +7,10 @@
 //! partition in order, onto state that already holds it, which converges because every
 //! mutation is an assignment; that the re-read is skipped (and counted) rather than re-applied
 //! is pinned by `tests/pipeline_durable.rs`.
+//!
+//! It runs twice: with the default L1 budget (everything fits in memory), and with a tiny one
+//! (64 KiB), so most of the state lives only in RocksDB (L2) and every crash also interrupts
+//! write-back and read-through.
 
 mod support;
 
@@ -39,7 +43,19 @@ fn fleet_config() -> FleetConfig {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_at_random_moments_loses_nothing_and_applies_nothing_twice() {
+    crash_trials(None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_with_a_tiny_l1_loses_nothing_either() {
+    crash_trials(Some(64 << 10)).await;
+}
+
+async fn crash_trials(l1_max_bytes: Option<u64>) {
     let broker = EmbeddedBroker::start(TOPIC, 4).unwrap();
+    let l1 = l1_max_bytes
+        .map(|b| format!("l1_max_bytes = {b}"))
+        .unwrap_or_default();
     let dir = tempfile::tempdir().unwrap();
     let config = write_config(
         dir.path(),
@@ -55,6 +71,7 @@ start = "earliest"
 [index]
 shards = 2
 seed = {SEED}
+{l1}
 [checkpoint]
 interval_ms = 20
 "#,
@@ -161,7 +178,22 @@ interval_ms = 20
     };
     cfg.index.shards = 2;
     cfg.index.seed = SEED;
+    if let Some(b) = l1_max_bytes {
+        cfg.index.l1_max_bytes = b;
+    }
     let service = Service::open(cfg, None).unwrap();
+    if l1_max_bytes.is_some() {
+        let wb = service.tiering.stats();
+        assert!(
+            service.loaded.left_in_l2 > 0,
+            "a tiny L1 should leave most rows in L2: {:?}",
+            service.loaded
+        );
+        eprintln!(
+            "tiny L1: {:?}; {} write-back batches",
+            service.loaded, wb.batches
+        );
+    }
     let block_size = fleet_config().block_size;
     let got = fingerprint(&service.index, &queries, block_size);
     let want = fingerprint(&reference, &queries, block_size);

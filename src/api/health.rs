@@ -31,6 +31,9 @@ pub async fn readyz(State(state): State<AppState>) -> Response {
 }
 
 pub async fn metrics(State(state): State<AppState>) -> Response {
-    let text = state.metrics.render(&state.index.stats());
+    let mut text = state.metrics.render(&state.index.stats());
+    if let Some(w) = &state.writeback {
+        w.stats().render_prometheus(&mut text);
+    }
     ([(header::CONTENT_TYPE, PROMETHEUS_CONTENT_TYPE)], text).into_response()
 }

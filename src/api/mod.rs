@@ -52,6 +52,8 @@ pub struct AppState {
     pub sources: Arc<dyn Fn() -> serde_json::Value + Send + Sync>,
     /// Max request body bytes (default 1 MiB).
     pub max_body_bytes: usize,
+    /// The bounded L1's write-back, for `/v1/stats` and `/metrics` (`None`: in-memory index).
+    pub writeback: Option<Arc<crate::writeback::Tiering>>,
 }
 
 impl AppState {
@@ -65,6 +67,7 @@ impl AppState {
             default_block_size: DEFAULT_BLOCK_SIZE,
             sources: Arc::new(|| serde_json::json!({})),
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            writeback: None,
         }
     }
 }

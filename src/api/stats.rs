@@ -123,6 +123,9 @@ struct StatsResponse<'a> {
     events: EventsSection,
     lookups: LookupsSection,
     sources: serde_json::Value,
+    /// L1 / L2 sizes, write-back counters and the breaker (absent for an in-memory index).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    writeback: Option<crate::writeback::WritebackStats>,
 }
 
 pub async fn stats(State(state): State<AppState>) -> Response {
@@ -159,6 +162,7 @@ pub async fn stats(State(state): State<AppState>) -> Response {
             errors: m.lookup_errors.load(Relaxed),
         },
         sources: (state.sources)(),
+        writeback: state.writeback.as_ref().map(|w| w.stats()),
     };
     Json(&body).into_response()
 }

@@ -15,6 +15,14 @@ use crate::event::{BlockContent, EngineHash, Event, EventKind, PartitionKey, Tie
 use smallvec::SmallVec;
 use std::cell::RefCell;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
+
+mod tiers;
+pub use tiers::{
+    BLOCK_ENTRY_BYTES, DirtyCursor, L1Key, L2ReadError, L2Reader, MAP_ENTRY_BYTES, StoredBlock,
+    TierSettings, TierStats,
+};
+use tiers::{DurableIds, Tiers};
 
 /// Why a well-formed event could not be applied. Each is counted by `reason()` and logged.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -37,6 +45,8 @@ pub enum SkipReason {
     ZeroBlockSize,
     #[error("shard holds the maximum number of engines")]
     TooManyEngines,
+    #[error("the L2 read this event needs failed: {0}")]
+    L2ReadFailed(String),
 }
 
 impl SkipReason {
@@ -49,6 +59,7 @@ impl SkipReason {
             SkipReason::DigestCountMismatch { .. } => "digest_count_mismatch",
             SkipReason::ZeroBlockSize => "zero_block_size",
             SkipReason::TooManyEngines => "too_many_engines",
+            SkipReason::L2ReadFailed(_) => "l2_read_failed",
         }
     }
 }
@@ -73,6 +84,24 @@ pub struct PartitionState {
     pub memberships: u64,
 }
 
+/// One entry of the block table: the block's holders, and when it was last used.
+#[derive(Debug, Default)]
+pub struct Block {
+    pub holders: Holders,
+    /// The shard's tier clock at the last apply or lookup that touched the block (the
+    /// write-back's LRU order). Atomic so lookups, which hold only a read lock, can stamp it;
+    /// 0 while the shard has no L2.
+    used: AtomicU32,
+}
+
+/// One entry of an engine's hash map: the block key the engine's hash names, and when the
+/// entry was last written (its LRU stamp).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MapEntry {
+    pub block: u64,
+    used: u32,
+}
+
 /// What a shard knows about one engine.
 #[derive(Debug, Default)]
 pub struct EngineState {
@@ -84,11 +113,11 @@ pub struct EngineState {
     /// Per partition the engine stored into: its engine hash → block key map. This resolves
     /// removals that carry only engine hashes, and is the reverse index that makes
     /// `ALL_CLEARED` cost the engine's own blocks rather than a scan of the shard.
-    parts: SmallVec<[(u32, KeyTable<u64>); 1]>,
+    parts: SmallVec<[(u32, KeyTable<MapEntry>); 1]>,
 }
 
 impl EngineState {
-    fn part(&self, pid: u32) -> Option<&KeyTable<u64>> {
+    fn part(&self, pid: u32) -> Option<&KeyTable<MapEntry>> {
         self.parts.iter().find(|(p, _)| *p == pid).map(|(_, m)| m)
     }
     /// Partition ids this engine stored into.
@@ -109,7 +138,7 @@ impl EngineState {
 #[derive(Default)]
 struct BlockTable {
     /// Block key (partition-namespaced, see [`hash`]) → engines holding it.
-    blocks: KeyTable<Holders>,
+    blocks: KeyTable<Block>,
     /// Bitsets for blocks with many holders; see [`should_be_dense`].
     dense: U64Map<DenseBits>,
     memberships: u64,
@@ -131,8 +160,17 @@ enum Added {
 
 impl BlockTable {
     #[inline]
-    fn add(&mut self, key: u64, engine: EngineIdx, tier: Tier, engine_count: usize) -> Added {
-        let (holders, new_block) = self.blocks.get_or_default(key);
+    fn add(
+        &mut self,
+        key: u64,
+        engine: EngineIdx,
+        tier: Tier,
+        engine_count: usize,
+        now: u32,
+    ) -> Added {
+        let (block, new_block) = self.blocks.get_or_default(key);
+        *block.used.get_mut() = now;
+        let holders = &mut block.holders;
         let heap_before = holders.heap_bytes();
         let outcome = holders.set(engine, tier);
         let len = holders.len();
@@ -163,7 +201,7 @@ impl BlockTable {
     fn remove(&mut self, key: u64, engine: EngineIdx, engine_count: usize) -> Option<(Tier, bool)> {
         let Some(slot) = self.blocks.slot(key) else {
             // Key 0 has no slot (see KeyTable); it takes the general path.
-            let holders = self.blocks.get_mut(key)?;
+            let holders = &mut self.blocks.get_mut(key)?.holders;
             let tier = holders.remove(engine)?;
             self.memberships -= 1;
             let gone = holders.is_empty();
@@ -172,7 +210,7 @@ impl BlockTable {
             }
             return Some((tier, gone));
         };
-        let holders = self.blocks.at_mut(slot);
+        let holders = &mut self.blocks.at_mut(slot).holders;
         let heap_before = holders.heap_bytes();
         let tier = holders.remove(engine)?;
         let len = holders.len();
@@ -358,6 +396,11 @@ pub struct Shard {
     /// Rows changed since the store last took them; `None` unless the service persists the
     /// shard. Boxed so an untracked shard pays one word and one predictable branch.
     changes: Option<Box<Changes>>,
+    /// The L2 behind this shard's L1 (`None`: the shard holds everything in memory). See
+    /// `shard/tiers.rs`.
+    tiers: Option<Box<Tiers>>,
+    /// Shard-local ↔ durable (store-wide) engine and partition ids, to read and write L2 rows.
+    durable: DurableIds,
 }
 
 impl Shard {
@@ -373,6 +416,8 @@ impl Shard {
             names: Arc::new(Vec::new()),
             key_buf: Vec::new(),
             changes: None,
+            tiers: None,
+            durable: DurableIds::default(),
         }
     }
 
@@ -386,8 +431,8 @@ impl Shard {
         };
         match ev.kind {
             EventKind::Stored => self.store(ev, seen),
-            EventKind::Removed => Ok(self.remove(ev, seen)),
-            EventKind::AllCleared => Ok(self.clear(ev, seen)),
+            EventKind::Removed => self.remove(ev, seen),
+            EventKind::AllCleared => self.clear(ev, seen),
             EventKind::ReplicaUpdated => {
                 let eid = self.intern_engine(&ev.engine)?;
                 self.touch(eid, seen);
@@ -471,7 +516,8 @@ impl Shard {
             None => Ok(self.partitions[pid as usize].seed),
             Some(p) => self.engines[eid as usize]
                 .part(pid)
-                .and_then(|m| m.get(p.0).copied())
+                .and_then(|m| m.get(p.0))
+                .map(|e| e.block)
                 .ok_or(SkipReason::UnknownParent(p.0)),
         }
     }
@@ -481,6 +527,9 @@ impl Shard {
         self.touch(eid, seen_us);
         let pid = self.intern_partition(&ev.partition);
         let n = ev.block_hashes.len();
+        if let Some(parent) = ev.parent_hash.filter(|_| self.is_spilled()) {
+            self.fault_in_map(eid, pid, parent.0)?;
+        }
         let mut keys = std::mem::take(&mut self.key_buf);
         keys.clear();
         let keyed = match &ev.content {
@@ -519,10 +568,12 @@ impl Shard {
                 }
             }
         };
-        if let Err(e) = keyed {
+        if let Err(e) = keyed.and_then(|()| self.fault_in_stored(eid, pid, &ev.block_hashes, &keys))
+        {
             self.key_buf = keys;
             return Err(e);
         }
+        let now = self.tier_now();
 
         let engine_count = self.engines.len();
         let Shard {
@@ -556,7 +607,15 @@ impl Shard {
                 map.prefetch(ah.0);
                 table.blocks.prefetch(ak);
             }
-            let previous = map.insert(h.0, key);
+            let previous = map
+                .insert(
+                    h.0,
+                    MapEntry {
+                        block: key,
+                        used: now,
+                    },
+                )
+                .map(|e| e.block);
             if let Some(c) = changes.as_deref_mut().filter(|_| previous != Some(key)) {
                 c.map(eid, pid, h.0, previous.is_none());
             }
@@ -572,7 +631,7 @@ impl Shard {
                     changes.as_deref_mut(),
                 );
             }
-            let added = table.add(key, eid, ev.tier, engine_count);
+            let added = table.add(key, eid, ev.tier, engine_count, now);
             match added {
                 Added::Holder { new_block } => {
                     engine.tier_counts[ev.tier as usize] += 1;
@@ -621,7 +680,7 @@ impl Shard {
             if let Some(ahead) = hashes.get(i + PREFETCH_AHEAD) {
                 map.prefetch(ahead.0);
             }
-            if let Some(key) = map.remove(h.0) {
+            if let Some(MapEntry { block: key, .. }) = map.remove(h.0) {
                 keys.push(key);
                 if let Some(c) = changes.as_deref_mut() {
                     c.map(eid, pid, h.0, false);
@@ -666,24 +725,33 @@ impl Shard {
             .collect()
     }
 
-    fn remove(&mut self, ev: &Event, seen_us: i64) -> usize {
+    fn remove(&mut self, ev: &Event, seen_us: i64) -> Result<usize, SkipReason> {
         let Some(&eid) = self.engine_ids.get(ev.engine.as_str()) else {
-            return 0;
+            return Ok(0);
         };
         self.touch(eid, seen_us);
         let slots = self.reached_slots(eid, ev, ev.is_scoped());
-        slots
-            .into_iter()
-            .map(|slot| self.remove_in_part(eid, slot, &ev.block_hashes))
-            .sum()
+        let mut removed = 0;
+        for slot in slots {
+            let pid = self.engines[eid as usize].parts[slot].0;
+            self.fault_in_removed(eid, pid, &ev.block_hashes)?;
+            removed += self.remove_in_part(eid, slot, &ev.block_hashes);
+        }
+        Ok(removed)
     }
 
-    fn clear(&mut self, ev: &Event, seen_us: i64) -> usize {
+    fn clear(&mut self, ev: &Event, seen_us: i64) -> Result<usize, SkipReason> {
         let Some(&eid) = self.engine_ids.get(ev.engine.as_str()) else {
-            return 0;
+            return Ok(0);
         };
         self.touch(eid, seen_us);
         let slots = self.reached_slots(eid, ev, false);
+        // Entries of the cleared maps that live only in L2 come back first, so the drain
+        // below sees every membership (their L2 rows go with the clear's range delete).
+        for &slot in &slots {
+            let pid = self.engines[eid as usize].parts[slot].0;
+            self.fault_in_cleared(eid, pid)?;
+        }
         let engine_count = self.engines.len();
         let mut removed = 0;
         // Highest slot first so removing a slot leaves the remaining indices valid.
@@ -696,7 +764,7 @@ impl Shard {
                 // The map's rows go with one range delete, not one mark per entry.
                 c.cleared.insert((eid, pid));
             }
-            for (_, key) in map.drain() {
+            for (_, MapEntry { block: key, .. }) in map.drain() {
                 let holder = (eid, engine_count);
                 let part = (&mut *part, pid);
                 removed += drop_membership(
@@ -709,7 +777,7 @@ impl Shard {
                 ) as usize;
             }
         }
-        removed
+        Ok(removed)
     }
 
     /// [`Shard::lookup`], with the rows appended to `out` sorted the way answers are: by
@@ -738,7 +806,10 @@ impl Shard {
         let Some((&first, _)) = keys.split_first() else {
             return;
         };
-        let Some(h0) = self.table.blocks.get(first) else {
+        let now = self.tier_now();
+        // A block only L2 holds is decoded into a spare (see `resolve`).
+        let (mut spare0, mut spare) = (Holders::default(), Holders::default());
+        let Some(h0) = self.resolve(first, now, &mut spare0) else {
             return;
         };
         let words = self.engines.len().div_ceil(64).max(1);
@@ -754,7 +825,7 @@ impl Shard {
                 if let Some(&ahead) = keys.get(i + PREFETCH_AHEAD) {
                     self.table.blocks.prefetch(ahead);
                 }
-                let Some(h) = self.table.blocks.get(*key) else {
+                let Some(h) = self.resolve(*key, now, &mut spare) else {
                     emit(active, None, i as u32, out);
                     return;
                 };
@@ -768,6 +839,22 @@ impl Shard {
             }
             emit(active, None, keys.len() as u32, out);
         });
+    }
+
+    /// The holders of block `key`: L1's (stamping the entry as used at `now`), else L2's
+    /// decoded into `spare` when the shard has spilled to L2.
+    #[inline]
+    fn resolve<'a>(&'a self, key: u64, now: u32, spare: &'a mut Holders) -> Option<&'a Holders> {
+        if let Some(b) = self.table.blocks.get(key) {
+            if now != 0 && b.used.load(Relaxed) != now {
+                b.used.store(now, Relaxed);
+            }
+            return Some(&b.holders);
+        }
+        if !self.is_spilled() {
+            return None;
+        }
+        self.read_l2_for_lookup(key, spare).then_some(&*spare)
     }
 
     #[inline]
@@ -800,8 +887,9 @@ impl Shard {
     pub fn partitions(&self) -> &[PartitionState] {
         &self.partitions
     }
+    /// Distinct blocks, in L1 and L2 alike.
     pub fn blocks(&self) -> u64 {
-        self.table.blocks.len() as u64
+        self.partitions.iter().map(|p| p.blocks).sum()
     }
     pub fn memberships(&self) -> u64 {
         self.table.memberships
@@ -813,7 +901,7 @@ impl Shard {
     /// Whether `engine` holds block `key`, and at which tier (tests and diagnostics).
     pub fn holder_tier(&self, key: u64, engine: &str) -> Option<Tier> {
         let eid = *self.engine_ids.get(engine)?;
-        self.table.blocks.get(key)?.tier_of(eid)
+        self.table.blocks.get(key)?.holders.tier_of(eid)
     }
 
     /// Bytes of memory the shard's structures own (tables at capacity, spilled lists, bitsets,
@@ -886,7 +974,8 @@ impl Shard {
         for (eid, pid, hash) in c.maps.drain() {
             let block = self.engines[eid as usize]
                 .part(pid)
-                .and_then(|m| m.get(hash).copied());
+                .and_then(|m| m.get(hash))
+                .map(|e| e.block);
             if block.is_none() && c.born_maps.contains(&(eid, pid, hash)) {
                 continue; // created and gone within the interval: nothing to delete
             }
@@ -900,9 +989,9 @@ impl Shard {
         out.blocks.reserve(c.blocks.len());
         for (key, pid) in c.blocks.drain() {
             let start = out.holders.len() as u32;
-            if let Some(h) = self.table.blocks.get(key) {
+            if let Some(b) = self.table.blocks.get(key) {
                 out.holders
-                    .extend(h.as_slice().iter().map(|h| (h.engine(), h.tier())));
+                    .extend(b.holders.as_slice().iter().map(|h| (h.engine(), h.tier())));
             }
             if start == out.holders.len() as u32 && c.born_blocks.contains(&key) {
                 continue; // created and gone within the interval: nothing to delete
@@ -980,7 +1069,9 @@ impl Shard {
     /// Restores one entry of `eid`'s hash map in `pid` (ids from the restore calls above).
     pub fn restore_map_entry(&mut self, eid: EngineIdx, pid: u32, hash: u64, block: u64) {
         let slot = self.part_slot(eid, pid);
-        self.engines[eid as usize].parts[slot].1.insert(hash, block);
+        self.engines[eid as usize].parts[slot]
+            .1
+            .insert(hash, MapEntry { block, used: 0 });
     }
 
     /// Restores one membership: `eid` holds `block` (of partition `pid`) at `tier`, with every
@@ -1002,7 +1093,7 @@ impl Shard {
         let engine_count = self.engines.len();
         let engine = &mut self.engines[eid as usize];
         let part = &mut self.partitions[pid as usize];
-        match self.table.add(block, eid, tier, engine_count) {
+        match self.table.add(block, eid, tier, engine_count, 0) {
             Added::Holder { new_block } => {
                 engine.tier_counts[tier as usize] += 1;
                 part.memberships += 1;

@@ -271,6 +271,23 @@ impl<V: Default> KeyTable<V> {
         }
     }
 
+    /// Slots in the table (occupied or not): the range of [`KeyTable::entry_at`].
+    #[inline]
+    pub fn capacity(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// The entry in slot `i` (`< capacity()`), if the slot is occupied. Walks that visit the
+    /// table a window at a time (the write-back's LRU sample) use it with a rotating index.
+    /// Key 0's entry has no slot and is never returned.
+    #[inline]
+    pub fn entry_at(&self, i: usize) -> Option<(u64, &V)> {
+        self.slots
+            .get(i)
+            .filter(|(k, _)| *k != 0)
+            .map(|(k, v)| (*k, v))
+    }
+
     /// Every `(key, &value)`, in no particular order.
     pub fn iter(&self) -> impl Iterator<Item = (u64, &V)> {
         let slots = self

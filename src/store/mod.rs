@@ -30,10 +30,14 @@
 //! recovers a prefix of the WAL, so a batch is never half there.
 
 mod codec;
+mod l2;
 mod registry;
+
+pub use l2::StoreSink;
 
 use crate::event::{PartitionKey, Tier};
 use crate::index::holders::EngineIdx;
+use crate::index::shard::{BLOCK_ENTRY_BYTES, MAP_ENTRY_BYTES};
 use crate::index::{BlockChange, ChangeSet, Shard, SkipReason};
 use codec::*;
 use parking_lot::Mutex;
@@ -80,6 +84,9 @@ pub enum StoreError {
     ShardNotEmpty(u16),
     #[error("corrupt {what} in the store: {detail}")]
     Corrupt { what: &'static str, detail: String },
+    /// A fault ordered through the write-back fault seam (tests of a failing L2).
+    #[error("injected L2 fault: {0}")]
+    InjectedFault(String),
     #[error("restoring shard {shard}: {source}")]
     Restore {
         shard: u16,
@@ -108,6 +115,8 @@ pub struct LoadStats {
     pub map_entries: u64,
     pub blocks: u64,
     pub memberships: u64,
+    /// Rows counted but left in L2 because L1's load budget was full.
+    pub left_in_l2: u64,
 }
 
 /// The RocksDB-backed durable state. Share it behind an `Arc`: every method takes `&self`, and
@@ -509,6 +518,18 @@ impl Store {
     /// counters, so lookups, stats and engines after a restart equal those before it. Enable
     /// change tracking on `into` afterwards. Shards load independently (in parallel if wanted).
     pub fn load_shard(&self, shard: u16, into: &mut Shard) -> Result<LoadStats, StoreError> {
+        self.load_shard_bounded(shard, into, u64::MAX)
+    }
+
+    /// [`Store::load_shard`] into an L1 of `l1_budget` bytes: engine-map rows may take half
+    /// of it, block rows the rest; rows beyond are counted (blocks, memberships, tiers are
+    /// L1 ∪ L2 counts) but stay in L2 (`left_in_l2`), for the shard to read through.
+    pub fn load_shard_bounded(
+        &self,
+        shard: u16,
+        into: &mut Shard,
+        l1_budget: u64,
+    ) -> Result<LoadStats, StoreError> {
         self.check_shard(shard)?;
         if !into.is_empty() {
             return Err(StoreError::ShardNotEmpty(shard));
@@ -531,6 +552,7 @@ impl Store {
             },
         )?;
         let mut pids = Vec::new();
+        let mut l1_bytes = 0u64;
         self.scan(
             CF_META,
             &shard_row_prefix(TAG_SHARD_ENGINE, shard),
@@ -553,8 +575,13 @@ impl Store {
             };
             let block = u64_at(v, 0).ok_or_else(|| corrupt("map value", v))?;
             let (eid, pid) = (l.engine(e)?, l.partition(p)?);
-            l.into.restore_map_entry(eid, pid, hash, block);
             l.stats.map_entries += 1;
+            if l1_bytes + MAP_ENTRY_BYTES > l1_budget / 2 {
+                l.stats.left_in_l2 += 1;
+                return Ok(());
+            }
+            l1_bytes += MAP_ENTRY_BYTES;
+            l.into.restore_map_entry(eid, pid, hash, block);
             Ok(())
         })?;
         // RocksDB's estimate of the blocks column family's rows, shared evenly by the shards:
@@ -573,11 +600,21 @@ impl Store {
             let block = u64_at(k, 2).ok_or_else(|| corrupt("block key", k))?;
             let (p, holders) = decode_block(v)?;
             let pid = l.partition(p)?;
+            l.stats.blocks += 1;
+            if l1_bytes.saturating_add(BLOCK_ENTRY_BYTES) > l1_budget {
+                l.stats.left_in_l2 += 1;
+                for (i, (e, tier)) in holders.enumerate() {
+                    let eid = l.engine(e)?;
+                    l.into.count_stored_membership(pid, eid, tier, i == 0);
+                    l.stats.memberships += 1;
+                }
+                return Ok(());
+            }
+            l1_bytes += BLOCK_ENTRY_BYTES;
             l.into.prefetch_block(block);
             for (e, tier) in holders {
                 pending.push((block, pid, l.engine(e)?, tier));
             }
-            l.stats.blocks += 1;
             if pending.len() >= RESTORE_GROUP {
                 l.restore_memberships(&mut pending);
             }
@@ -661,6 +698,7 @@ impl Loader<'_> {
             .cloned()
             .ok_or_else(|| corrupt("partition id", &id.to_be_bytes()))?;
         let pid = self.into.restore_partition(&key);
+        self.into.learn_durable_partition(pid, id);
         self.partitions.insert(id, pid);
         self.stats.partitions += 1;
         Ok(pid)
@@ -682,6 +720,7 @@ impl Loader<'_> {
                 shard: self.shard,
                 source,
             })?;
+        self.into.learn_durable_engine(eid, id);
         if self.engines.insert(id, eid).is_none() {
             self.stats.engines += 1;
         }

@@ -52,6 +52,18 @@ impl<K: Hash + Eq + Clone> Ids<K> {
         self.ids.get(key).copied()
     }
 
+    /// The id of `key` if its row is durable (allocated and written).
+    pub fn written_id<Q>(&self, key: &Q) -> Option<u32>
+    where
+        K: std::borrow::Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        self.ids
+            .get(key)
+            .copied()
+            .filter(|id| !self.unwritten.contains(id))
+    }
+
     /// The id of `key`, allocating the next one (and marking it unwritten) if it has none.
     pub fn id_or_insert(&mut self, key: &K) -> u32 {
         if let Some(&id) = self.ids.get(key) {

@@ -470,6 +470,7 @@ impl<L: L1Tier, S: L2Sink> WritebackController<L, S> {
         let mut s = WritebackStats::counters(&self.metrics, self.breaker.snapshot());
         s.l1_bytes = self.l1.bytes_used();
         s.l1_entries = self.l1.entry_count() as u64;
+        s.l1_max_bytes = self.settings.l1_max_bytes;
         s.l1_high_watermark_bytes = self.settings.high_bytes();
         s.l1_hard_cap_bytes = self.settings.cap_bytes();
         s.backpressure = s.l1_bytes >= s.l1_hard_cap_bytes;

@@ -100,7 +100,7 @@ impl L2Error {
         }
     }
 
-    fn from_rocks(e: rocksdb::Error) -> L2Error {
+    pub(crate) fn from_rocks(e: rocksdb::Error) -> L2Error {
         match e.kind() {
             ErrorKind::Busy | ErrorKind::TryAgain | ErrorKind::Incomplete | ErrorKind::TimedOut => {
                 L2Error::Busy(e)
@@ -310,6 +310,13 @@ impl FaultHandle {
         cv.notify_all();
     }
 
+    /// The fault ordered for the next write, consumed, for an L2 writer that is not an
+    /// [`L2Sink`] (the checkpoint commit): it must then not write. A `Hang` is reported as such
+    /// and does not block (the commit has no deadline to wait out).
+    pub fn take_fault(&self) -> Option<Fault> {
+        self.next_fault().0
+    }
+
     /// Writes attempted through the injector so far.
     pub fn calls(&self) -> u64 {
         self.shared.0.lock().calls
@@ -355,6 +362,11 @@ impl<S: L2Sink> FaultInjector<S> {
             inner,
             handle: FaultHandle::default(),
         }
+    }
+
+    /// Wraps `inner`, obeying an existing `handle` (several sinks, one switchboard).
+    pub fn with_handle(inner: S, handle: FaultHandle) -> FaultInjector<S> {
+        FaultInjector { inner, handle }
     }
 
     /// The switchboard: keep a clone to inject faults while the controller owns the sink.

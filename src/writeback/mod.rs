@@ -25,7 +25,9 @@ pub mod breaker;
 pub mod controller;
 pub mod l1;
 pub mod l2;
+pub mod live;
 pub mod mem;
+pub mod shard_l1;
 pub mod stats;
 
 pub use breaker::{BreakerSnapshot, BreakerState, CircuitBreaker, Clock, ManualClock, SystemClock};
@@ -37,5 +39,7 @@ pub use l1::{DirtyPage, L1Tier, Removal, Resident, Stamp};
 pub use l2::{
     Fault, FaultHandle, FaultInjector, L2Error, L2Row, L2Sink, RocksSink, RocksSinkOptions,
 };
+pub use live::{ShardWriteback, Tiering};
 pub use mem::MemL1;
+pub use shard_l1::ShardL1;
 pub use stats::{WritebackMetrics, WritebackStats};

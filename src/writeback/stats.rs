@@ -50,6 +50,8 @@ impl WritebackMetrics {
 pub struct WritebackStats {
     pub l1_bytes: u64,
     pub l1_entries: u64,
+    /// `index.l1_max_bytes` (0 where the controller has no budget of its own to report).
+    pub l1_max_bytes: u64,
     pub l1_high_watermark_bytes: u64,
     pub l1_hard_cap_bytes: u64,
     /// The sources should be paused (L1 at its hard cap).
@@ -67,6 +69,14 @@ pub struct WritebackStats {
     pub flush_sweeps: u64,
     pub emergency_runs: u64,
     pub emergency_timeouts: u64,
+    /// Rows in L2 (RocksDB's estimate over blocks and engine maps; 0 without a store).
+    pub l2_entries: u64,
+    /// Point reads of L2 (lookups falling through, events faulting entries in), and how many
+    /// found their row, failed, or were brought back into L1 for lookups.
+    pub l2_reads: u64,
+    pub l2_hits: u64,
+    pub l2_read_errors: u64,
+    pub restored: u64,
     pub breaker: BreakerSnapshot,
 }
 
@@ -76,6 +86,7 @@ impl WritebackStats {
         WritebackStats {
             l1_bytes: 0,
             l1_entries: 0,
+            l1_max_bytes: 0,
             l1_high_watermark_bytes: 0,
             l1_hard_cap_bytes: 0,
             backpressure: false,
@@ -92,6 +103,11 @@ impl WritebackStats {
             flush_sweeps: m.flush_sweeps.load(Relaxed),
             emergency_runs: m.emergency_runs.load(Relaxed),
             emergency_timeouts: m.emergency_timeouts.load(Relaxed),
+            l2_entries: 0,
+            l2_reads: 0,
+            l2_hits: 0,
+            l2_read_errors: 0,
+            restored: 0,
             breaker,
         }
     }
@@ -99,8 +115,18 @@ impl WritebackStats {
     /// Appends the Prometheus text exposition of these values (`kvindex_writeback_*`,
     /// `kvindex_l1_*`) to `out`.
     pub fn render_prometheus(&self, out: &mut String) {
-        let gauges: [(&str, &str, u64); 7] = [
+        let gauges: [(&str, &str, u64); 9] = [
             ("kvindex_l1_bytes", "Bytes accounted in L1.", self.l1_bytes),
+            (
+                "kvindex_l1_max_bytes",
+                "The L1 budget (index.l1_max_bytes).",
+                self.l1_max_bytes,
+            ),
+            (
+                "kvindex_l2_entries",
+                "Rows in L2 (RocksDB's estimate).",
+                self.l2_entries,
+            ),
             (
                 "kvindex_l1_entries",
                 "Entries resident in L1.",
@@ -196,6 +222,21 @@ impl WritebackStats {
         ];
         for (name, help, v) in counters {
             let name = format!("kvindex_writeback_{name}_total");
+            family(out, &name, "counter", help);
+            let _ = writeln!(out, "{name} {v}");
+        }
+        let reads: [(&str, &str, u64); 4] = [
+            ("reads", "Point reads of L2.", self.l2_reads),
+            ("hits", "L2 reads that found their row.", self.l2_hits),
+            ("read_errors", "L2 reads that failed.", self.l2_read_errors),
+            (
+                "restored",
+                "Blocks brought back into L1 for lookups.",
+                self.restored,
+            ),
+        ];
+        for (name, help, v) in reads {
+            let name = format!("kvindex_l2_{name}_total");
             family(out, &name, "counter", help);
             let _ = writeln!(out, "{name} {v}");
         }

@@ -1,0 +1,189 @@
+//! Lookups over a bounded L1 (issue 4): the same 32-block queries against an index that
+//! holds every block in memory (the baseline) and against one whose L1 holds only ~10% of
+//! the blocks, the other ~90% living only in RocksDB (L2), read through on every lookup
+//! (`restore_on_read` off, so they stay there). p50 / p99 are printed besides criterion's mean.
+
+use criterion::{Criterion, criterion_group, criterion_main};
+use kvindex::event::{BlockContent, EngineHash, Event, EventKind, PartitionKey, Tier};
+use kvindex::index::shard::{BLOCK_ENTRY_BYTES, TierSettings, TierStats};
+use kvindex::index::{Index, IndexConfig, hash};
+use kvindex::produce::Rng;
+use kvindex::store::{Store, StoreOptions};
+use std::hint::black_box;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const BLOCK: u32 = 16;
+const CHAIN: u32 = 32;
+const SEED: u64 = 1;
+const ENGINES: u64 = 64;
+const FAMILIES: u64 = 8_000;
+const STORES: usize = 24_000;
+
+fn partition() -> PartitionKey {
+    PartitionKey::new("t", "m", "")
+}
+
+fn tokens(family: u64) -> Vec<u32> {
+    (0..CHAIN * BLOCK)
+        .map(|t| (family as u32).wrapping_mul(7919).wrapping_add(t))
+        .collect()
+}
+
+/// Engine `e` stores prompt `family` (32 blocks) as one root chain.
+fn chain_event(e: u64, family: u64) -> Event {
+    let mut ev = Event::new(EventKind::Stored, format!("engine-{e:03}"), partition());
+    ev.block_hashes = (0..CHAIN as u64)
+        .map(|b| EngineHash(hash::chain(e + 1, family << 32 | b)))
+        .collect();
+    ev.content = BlockContent::Tokens {
+        token_ids: tokens(family),
+        block_size: BLOCK,
+    };
+    ev.tier = Tier::Gpu;
+    ev
+}
+
+/// A store holding ~`STORES` chains over `ENGINES` engines; returns it and the families stored.
+fn build_store(dir: &std::path::Path) -> (Arc<Store>, Vec<u64>) {
+    let opts = StoreOptions {
+        shards: 1,
+        seed: SEED,
+        sync: false,
+    };
+    let store = Arc::new(Store::open(dir, &opts).expect("open store"));
+    let index = Index::new(IndexConfig {
+        shards: 1,
+        seed: SEED,
+    });
+    index.enable_change_tracking();
+    let mut rng = Rng::new(5);
+    let mut families = Vec::new();
+    for i in 0..STORES {
+        let family = rng.below(FAMILIES as usize) as u64;
+        index
+            .apply(&chain_event(rng.below(ENGINES as usize) as u64, family), 0)
+            .expect("stores");
+        families.push(family);
+        if i % 2_000 == 1_999 {
+            let changes = index.shard(0).write().take_changes();
+            store.commit(0, &changes, &[]).expect("commit");
+        }
+    }
+    let changes = index.shard(0).write().take_changes();
+    store.commit(0, &changes, &[]).expect("commit");
+    store.flush().expect("flush");
+    (store, families)
+}
+
+/// An index over `store` whose L1 holds at most `fraction` of the blocks.
+fn tiered(store: &Arc<Store>, fraction: Option<f64>) -> Index {
+    let index = Index::new(IndexConfig {
+        shards: 1,
+        seed: SEED,
+    });
+    let mut shard = index.shard(0).write();
+    let stats = match fraction {
+        None => store.load_shard(0, &mut shard).expect("load"),
+        Some(f) => {
+            // Map rows may take half of a load budget: double it so blocks get `f`.
+            let blocks = store
+                .load_shard(0, &mut kvindex::index::Shard::new(SEED))
+                .expect("count")
+                .blocks;
+            let budget = 2.0 * f * blocks as f64 * BLOCK_ENTRY_BYTES as f64;
+            store
+                .load_shard_bounded(0, &mut shard, budget as u64)
+                .expect("load")
+        }
+    };
+    shard.enable_tiers(
+        store.clone(),
+        0,
+        TierSettings {
+            restore_on_read: false,
+        },
+        Arc::new(TierStats::default()),
+        stats.left_in_l2 > 0,
+    );
+    shard.enable_change_tracking();
+    drop(shard);
+    index
+}
+
+fn percentiles(name: &str, index: &Index, queries: &[Vec<u64>]) {
+    let mut samples: Vec<Duration> = queries
+        .iter()
+        .cycle()
+        .take(20_000)
+        .map(|keys| {
+            let t = Instant::now();
+            black_box(index.lookup_keys(keys));
+            t.elapsed()
+        })
+        .collect();
+    samples.sort_unstable();
+    let pct = |p: f64| samples[((samples.len() - 1) as f64 * p) as usize].as_secs_f64() * 1e6;
+    println!(
+        "{name}: lookup of 32 blocks: p50 {:.2} µs  p99 {:.2} µs  p99.9 {:.2} µs",
+        pct(0.5),
+        pct(0.99),
+        pct(0.999)
+    );
+}
+
+fn bench_tiered_lookup(c: &mut Criterion) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (store, families) = build_store(dir.path());
+    let full = tiered(&store, None);
+    let bounded = tiered(&store, Some(0.1));
+    let (l1, all) = {
+        let s = bounded.shard(0).read();
+        (s.l1_entries(), s.blocks())
+    };
+    let queries: Vec<Vec<u64>> = families
+        .iter()
+        .take(2_000)
+        .map(|&f| {
+            full.query_keys(
+                &partition(),
+                &kvindex::index::QueryBlocks::Tokens {
+                    token_ids: tokens(f),
+                    block_size: BLOCK,
+                },
+            )
+        })
+        .collect();
+    // The bounded index must answer exactly like the full one.
+    for keys in queries.iter().take(200) {
+        assert_eq!(
+            full.lookup_keys(keys).to_vec(),
+            bounded.lookup_keys(keys).to_vec()
+        );
+    }
+    println!(
+        "bounded L1: {l1} of {all} blocks + map entries resident ({:.1}% of blocks in L2 at most)",
+        100.0 * (1.0 - l1 as f64 / all as f64)
+    );
+    percentiles("all in L1", &full, &queries);
+    percentiles("~90% in L2", &bounded, &queries);
+
+    let mut g = c.benchmark_group("tiered_lookup");
+    let mut i = 0;
+    g.bench_function("all_in_l1_32_blocks", |b| {
+        b.iter(|| {
+            i = (i + 1) % queries.len();
+            black_box(full.lookup_keys(&queries[i]))
+        })
+    });
+    g.bench_function("ninety_percent_in_l2_32_blocks", |b| {
+        b.iter(|| {
+            i = (i + 1) % queries.len();
+            black_box(bounded.lookup_keys(&queries[i]))
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(benches, bench_tiered_lookup);
+criterion_main!(benches);

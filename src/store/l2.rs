@@ -1,0 +1,189 @@
+//! The store as the index's L2: point reads of block and engine-map rows for shards that
+//! spilled part of their state ([`L2Reader`]), the rows write-back writes, and the
+//! [`StoreSink`] the write-back controller writes them through (one `WriteBatch` per batch, in
+//! the same database and column families as the checkpoint commits).
+//!
+//! Write-back rows are tagged with their column family in the first byte of [`L2Row::key`]
+//! (`b'b'` blocks, `b'm'` maps), then the key in the layout of `codec.rs`.
+
+use super::codec::*;
+use super::{Store, StoreError};
+use crate::event::{PartitionKey, Tier};
+use crate::index::shard::{L2ReadError, L2Reader, StoredBlock};
+use crate::writeback::{L2Error, L2Row, L2Sink};
+use rocksdb::WriteBatch;
+use std::sync::Arc;
+use std::time::Instant;
+
+const ROW_BLOCKS: u8 = b'b';
+const ROW_MAPS: u8 = b'm';
+
+fn read_error(e: StoreError) -> L2ReadError {
+    L2ReadError(e.to_string())
+}
+
+fn tagged_key(tag: u8, key: &[u8]) -> Vec<u8> {
+    let mut k = Vec::with_capacity(1 + key.len());
+    k.push(tag);
+    k.extend_from_slice(key);
+    k
+}
+
+impl L2Reader for Store {
+    fn block(&self, shard: u16, key: u64) -> Result<Option<StoredBlock>, L2ReadError> {
+        let cf = self.cf(CF_BLOCKS).map_err(read_error)?;
+        let Some(v) = self
+            .db
+            .get_pinned_cf(cf, block_key(shard, key))
+            .map_err(|e| read_error(e.into()))?
+        else {
+            return Ok(None);
+        };
+        let (partition, holders) = decode_block(&v).map_err(read_error)?;
+        Ok(Some(StoredBlock {
+            partition,
+            holders: holders.collect(),
+        }))
+    }
+
+    fn map_entry(
+        &self,
+        shard: u16,
+        engine: u32,
+        partition: u32,
+        hash: u64,
+    ) -> Result<Option<u64>, L2ReadError> {
+        let cf = self.cf(CF_MAPS).map_err(read_error)?;
+        let key = map_key(shard, engine, partition, hash);
+        match self
+            .db
+            .get_pinned_cf(cf, key)
+            .map_err(|e| read_error(e.into()))?
+        {
+            None => Ok(None),
+            Some(v) => u64_at(&v, 0)
+                .map(Some)
+                .ok_or_else(|| read_error(corrupt("map value", &v))),
+        }
+    }
+
+    fn map_entries(
+        &self,
+        shard: u16,
+        engine: u32,
+        partition: u32,
+        each: &mut dyn FnMut(u64, u64),
+    ) -> Result<(), L2ReadError> {
+        self.scan(CF_MAPS, &map_prefix(shard, engine, partition), |k, v| {
+            let (Some(hash), Some(block)) = (u64_at(k, 10), u64_at(v, 0)) else {
+                return Err(corrupt("map row", k));
+            };
+            each(hash, block);
+            Ok(())
+        })
+        .map_err(read_error)
+    }
+
+    fn block_row(&self, shard: u16, key: u64, partition: u32, holders: &[(u32, Tier)]) -> L2Row {
+        let mut value = Vec::with_capacity(4 + 5 * holders.len());
+        value.extend_from_slice(&partition.to_be_bytes());
+        for &(e, tier) in holders {
+            push_holder(&mut value, e, tier);
+        }
+        L2Row::put(tagged_key(ROW_BLOCKS, &block_key(shard, key)), value)
+    }
+
+    fn map_row(&self, shard: u16, engine: u32, partition: u32, hash: u64, block: u64) -> L2Row {
+        L2Row::put(
+            tagged_key(ROW_MAPS, &map_key(shard, engine, partition, hash)),
+            block.to_be_bytes(),
+        )
+    }
+}
+
+impl Store {
+    /// The durable ids of the engines and partitions named (by shard-local index), for those
+    /// whose registry rows are written: `(local, durable)` pairs.
+    pub fn durable_ids(
+        &self,
+        engines: &[Arc<str>],
+        partitions: &[PartitionKey],
+    ) -> (Vec<(u32, u32)>, Vec<(u32, u32)>) {
+        let reg = self.registry.lock();
+        let e = engines
+            .iter()
+            .enumerate()
+            .filter_map(|(i, n)| Some((i as u32, reg.engines.written_id(n)?)))
+            .collect();
+        let p = partitions
+            .iter()
+            .enumerate()
+            .filter_map(|(i, k)| Some((i as u32, reg.partitions.written_id(k)?)))
+            .collect();
+        (e, p)
+    }
+
+    /// RocksDB's estimate of the block and engine-map rows stored (the L2 entry count).
+    pub fn l2_entries(&self) -> u64 {
+        [CF_BLOCKS, CF_MAPS]
+            .into_iter()
+            .filter_map(|name| {
+                let cf = self.cf(name).ok()?;
+                self.db
+                    .property_int_value_cf(cf, "rocksdb.estimate-num-keys")
+                    .ok()?
+            })
+            .sum()
+    }
+
+    /// Writes tagged write-back rows (see the module docs) in one atomic batch.
+    pub fn write_rows(&self, rows: &[L2Row]) -> Result<(), L2Error> {
+        let blocks = self
+            .cf(CF_BLOCKS)
+            .map_err(|_| L2Error::MissingColumnFamily(CF_BLOCKS.into()))?;
+        let maps = self
+            .cf(CF_MAPS)
+            .map_err(|_| L2Error::MissingColumnFamily(CF_MAPS.into()))?;
+        let mut batch = WriteBatch::default();
+        for row in rows {
+            let cf = match row.key.first() {
+                Some(&ROW_BLOCKS) => blocks,
+                Some(&ROW_MAPS) => maps,
+                _ => return Err(L2Error::MissingColumnFamily(hex::encode(&row.key))),
+            };
+            let key = &row.key[1..];
+            match &row.value {
+                Some(v) => batch.put_cf(cf, key, v),
+                None => batch.delete_cf(cf, key),
+            }
+        }
+        self.db
+            .write_opt(batch, &self.write_opts)
+            .map_err(L2Error::from_rocks)
+    }
+}
+
+/// The write-back controller's L2: the store itself.
+#[derive(Clone)]
+pub struct StoreSink {
+    store: Arc<Store>,
+}
+
+impl StoreSink {
+    pub fn new(store: Arc<Store>) -> StoreSink {
+        StoreSink { store }
+    }
+}
+
+impl L2Sink for StoreSink {
+    fn write_batch(&self, rows: &[L2Row], deadline: Instant) -> Result<(), L2Error> {
+        // A RocksDB write cannot be cut short once started: only do not start one late.
+        let now = Instant::now();
+        if now >= deadline {
+            return Err(L2Error::DeadlineExceeded {
+                waited: std::time::Duration::ZERO,
+            });
+        }
+        self.store.write_rows(rows)
+    }
+}

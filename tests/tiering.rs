@@ -1,0 +1,258 @@
+//! The bounded L1 in the live service: with an L1 budget far below what the traffic stores,
+//! most of the index lives in RocksDB (L2), and yet every lookup, every count and every engine
+//! equals an unbounded in-memory reference fed the same events: during churn (stores, LRU
+//! removals, clears, adapters) and after a restart. Lookups bring hot L2 blocks back
+//! (`restore_on_read`); a failing L2 opens the breaker and pauses the sources at the hard cap
+//! without losing an event; `/v1/stats` reports it all. (`tests/serve_crash.rs` kills a
+//! tiny-L1 `kvindex serve` 24 times.)
+
+mod support;
+
+use kvindex::config::Config;
+use kvindex::event::{Event, encode};
+use kvindex::index::{Index, IndexConfig};
+use kvindex::produce::{Fleet, FleetConfig};
+use kvindex::service::Service;
+use kvindex::source::Message;
+use kvindex::writeback::{Fault, ManualClock};
+use std::sync::Arc;
+use std::time::Duration;
+use support::{Fingerprint, fingerprint, wait_for};
+
+const SOURCE: &str = "kafka:kv-tiering";
+const BLOCK_SIZE: u32 = 16;
+
+fn config(dir: &std::path::Path, l1_max_bytes: u64) -> Config {
+    let mut c = Config {
+        data_dir: dir.to_path_buf(),
+        ..Config::default()
+    };
+    c.index.shards = 2;
+    c.index.l1_max_bytes = l1_max_bytes;
+    c
+}
+
+/// A fleet whose engines store far more than a tiny L1 holds, evict (LRU removals), clear,
+/// and use LoRA adapters.
+fn fleet(seed: u64) -> Fleet {
+    Fleet::new(FleetConfig {
+        engines: 6,
+        adapters: 3,
+        capacity_blocks: 1_500,
+        block_size: BLOCK_SIZE,
+        clear_every: 700,
+        seed,
+        ..FleetConfig::default()
+    })
+}
+
+/// The same traffic for the service (as messages) and the reference (as events).
+struct Traffic {
+    fleet: Fleet,
+    next_offset: i64,
+}
+
+impl Traffic {
+    fn batch(&mut self, n: usize) -> (Vec<Message>, Vec<Event>) {
+        let mut messages = Vec::with_capacity(n);
+        let mut events = Vec::new();
+        for _ in 0..n {
+            let evs = self.fleet.next_request();
+            messages.push(Message {
+                partition: 0,
+                offset: self.next_offset,
+                payload: encode::to_proto(&evs),
+                ..Message::default()
+            });
+            self.next_offset += 1;
+            events.extend(evs);
+        }
+        (messages, events)
+    }
+}
+
+fn reference(c: &Config) -> Index {
+    Index::new(IndexConfig {
+        shards: 2,
+        seed: c.index.seed,
+    })
+}
+
+fn feed(service: &Service, reference: &Index, traffic: &mut Traffic, n: usize) {
+    let (messages, events) = traffic.batch(n);
+    let opts = Config::default().decode_options();
+    service
+        .pipeline
+        .ingest_batch(SOURCE, &messages, &opts)
+        .unwrap();
+    for ev in &events {
+        let _ = reference.apply(ev, 0);
+    }
+}
+
+fn queries(traffic: &mut Traffic, n: usize) -> Vec<(kvindex::event::PartitionKey, Vec<u32>)> {
+    (0..n).map(|_| traffic.fleet.sample_query()).collect()
+}
+
+fn assert_same(
+    service: &Service,
+    reference: &Index,
+    q: &[(kvindex::event::PartitionKey, Vec<u32>)],
+    when: &str,
+) {
+    assert!(service.pipeline.persist(), "{when}: commit failed");
+    let got: Fingerprint = fingerprint(&service.index, q, BLOCK_SIZE);
+    let want = fingerprint(reference, q, BLOCK_SIZE);
+    assert!(
+        want.answers.iter().any(|a| !a.is_empty()),
+        "{when}: vacuous queries"
+    );
+    assert_eq!(got, want, "{when}: tiered index differs from the reference");
+}
+
+#[test]
+fn a_tiny_l1_answers_like_an_unbounded_index_through_churn_and_restarts() {
+    let dir = tempfile::tempdir().unwrap();
+    // ~16 KiB per shard: a few hundred entries, against tens of thousands stored.
+    let c = config(dir.path(), 32 << 10);
+    let mut traffic = Traffic {
+        fleet: fleet(7),
+        next_offset: 0,
+    };
+    let reference = reference(&c);
+    let service = Service::open(c.clone(), None).unwrap();
+    for round in 0..12 {
+        feed(&service, &reference, &mut traffic, 60);
+        let q = queries(&mut traffic, 24);
+        assert_same(&service, &reference, &q, &format!("round {round}"));
+    }
+    let stats = service.tiering.stats();
+    assert!(stats.entries_evicted > 1_000, "nothing left L1: {stats:?}");
+    assert!(stats.l2_hits > 0, "no lookup or event read L2: {stats:?}");
+    assert!(
+        stats.l1_bytes <= stats.l1_hard_cap_bytes,
+        "L1 over its hard cap: {stats:?}"
+    );
+    let memberships = service.index.stats().memberships;
+    assert!(
+        stats.l1_entries * 4 < memberships,
+        "most of the index should live in L2: {} L1 entries for {memberships} memberships",
+        stats.l1_entries
+    );
+    drop(service);
+
+    // Clean restart: a bounded load, the rest read through.
+    let service = Service::open(c.clone(), None).unwrap();
+    assert!(service.loaded.left_in_l2 > 0, "{:?}", service.loaded);
+    let q = queries(&mut traffic, 32);
+    assert_same(&service, &reference, &q, "after restart");
+    for round in 0..4 {
+        feed(&service, &reference, &mut traffic, 60);
+        let q = queries(&mut traffic, 24);
+        assert_same(
+            &service,
+            &reference,
+            &q,
+            &format!("after restart, round {round}"),
+        );
+    }
+    drop(service);
+}
+
+#[test]
+fn lookups_of_l2_blocks_bring_them_back_and_stats_report_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = config(dir.path(), 64 << 10);
+    let mut traffic = Traffic {
+        fleet: fleet(11),
+        next_offset: 0,
+    };
+    let reference = reference(&c);
+    let service = Service::open(c, None).unwrap();
+    feed(&service, &reference, &mut traffic, 400);
+    assert!(service.pipeline.persist());
+    let q = queries(&mut traffic, 64);
+    let before = service.tiering.stats();
+    assert_same(&service, &reference, &q, "first lookups");
+    // The worker restores what the lookups read from L2 at its next maintenance.
+    feed(&service, &reference, &mut traffic, 1);
+    service.pipeline.flush();
+    let after = service.tiering.stats();
+    assert!(after.l2_hits > before.l2_hits, "{after:?}");
+    assert!(
+        after.restored > before.restored,
+        "nothing restored: {after:?}"
+    );
+    assert_same(&service, &reference, &q, "after restores");
+
+    let state = service.app_state(None);
+    let json = serde_json::to_value(state.writeback.as_ref().unwrap().stats()).unwrap();
+    for field in [
+        "l1_bytes",
+        "l1_entries",
+        "l2_entries",
+        "batches",
+        "failures",
+        "breaker",
+    ] {
+        assert!(json.get(field).is_some(), "{field} missing in {json}");
+    }
+    assert_eq!(json["breaker"]["state"], "closed");
+}
+
+#[test]
+fn a_failing_l2_opens_the_breaker_pauses_the_sources_and_loses_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = config(dir.path(), 32 << 10);
+    let clock = Arc::new(ManualClock::new());
+    let service = Arc::new(Service::open_with_clock(c.clone(), None, clock.clone()).unwrap());
+    let mut traffic = Traffic {
+        fleet: fleet(3),
+        next_offset: 0,
+    };
+    let reference = reference(&c);
+    feed(&service, &reference, &mut traffic, 100);
+    assert!(service.pipeline.persist());
+
+    // RocksDB starts failing every write-back batch.
+    service.tiering.faults().set_sticky(Fault::Fail);
+    let (messages, events) = traffic.batch(600);
+    for ev in &events {
+        let _ = reference.apply(ev, 0);
+    }
+    let feeder = {
+        let service = service.clone();
+        std::thread::spawn(move || {
+            let opts = Config::default().decode_options();
+            // In source-sized batches: L1 may overshoot its cap by one batch at most.
+            for chunk in messages.chunks(5) {
+                service.pipeline.ingest_batch(SOURCE, chunk, &opts).unwrap();
+            }
+            service.pipeline.flush();
+        })
+    };
+    let open = wait_for(
+        "the breaker to open and L1 to reach its hard cap",
+        Duration::from_secs(60),
+        || {
+            let s = service.tiering.stats();
+            (s.breaker_open() && s.backpressure).then_some(s)
+        },
+    );
+    assert!(open.failures >= 1, "{open:?}");
+    assert_eq!(open.breaker.backoff, Duration::from_secs(2), "{open:?}");
+    assert!(open.l1_bytes <= 4 * open.l1_hard_cap_bytes, "{open:?}");
+    // Backpressure: the source's batch is not taken while L1 is full and L2 is down.
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(!feeder.is_finished(), "events were taken past the hard cap");
+
+    // L2 heals; once the breaker's pause has run out, everything drains.
+    service.tiering.faults().clear();
+    clock.advance(Duration::from_secs(3));
+    feeder.join().unwrap();
+    let q = queries(&mut traffic, 32);
+    assert_same(&service, &reference, &q, "after the outage");
+    let healed = service.tiering.stats();
+    assert!(!healed.breaker_open(), "{healed:?}");
+    assert!(healed.breaker_rejections > 0, "{healed:?}");
+}
