@@ -2,13 +2,21 @@
 //! holds every block in memory (the baseline) and against one whose L1 holds only ~10% of
 //! the blocks, the other ~90% living only in RocksDB (L2), read through on every lookup
 //! (`restore_on_read` off, so they stay there). p50 / p99 are printed besides criterion's mean.
+//!
+//! `shard_writeback`: the live write-back path end to end: a shard's L1 full of dirty entries
+//! (stored since the last commit), evicted down to 10% of them by the write-back controller
+//! through the store's sink in 128-key batches (sampling, row encoding, the RocksDB write, the
+//! removal), in entries written per second.
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use kvindex::event::{BlockContent, EngineHash, Event, EventKind, PartitionKey, Tier};
 use kvindex::index::shard::{BLOCK_ENTRY_BYTES, TierSettings, TierStats};
 use kvindex::index::{Index, IndexConfig, hash};
 use kvindex::produce::Rng;
-use kvindex::store::{Store, StoreOptions};
+use kvindex::store::{Store, StoreOptions, StoreSink};
+use kvindex::writeback::{
+    CircuitBreaker, L1Tier, ShardL1, SystemClock, WritebackController, WritebackSettings,
+};
 use std::hint::black_box;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -185,5 +193,99 @@ fn bench_tiered_lookup(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, bench_tiered_lookup);
+/// An index over a fresh store whose shard 0 holds `stores` chains applied since the last
+/// commit (all dirty), with durable ids for its engines and partition.
+fn dirty_shard(dir: &std::path::Path, stores: usize, seed: u64) -> (Arc<Index>, Arc<Store>) {
+    let opts = StoreOptions {
+        shards: 1,
+        seed: SEED,
+        sync: false,
+    };
+    let store = Arc::new(Store::open(dir, &opts).expect("open store"));
+    let index = Arc::new(Index::new(IndexConfig {
+        shards: 1,
+        seed: SEED,
+    }));
+    {
+        let mut shard = index.shard(0).write();
+        shard.enable_tiers(
+            store.clone(),
+            0,
+            TierSettings {
+                restore_on_read: false,
+            },
+            Arc::new(TierStats::default()),
+            false,
+        );
+        shard.enable_change_tracking();
+    }
+    // One engine per store so the first commit makes every id durable.
+    for e in 0..ENGINES {
+        index
+            .apply(&chain_event(e, FAMILIES + e), 0)
+            .expect("stores");
+    }
+    let changes = index.shard(0).write().take_changes();
+    store.commit(0, &changes, &[]).expect("commit");
+    let (engines, partitions) = store.durable_ids(&changes.engine_names, &changes.partitions);
+    {
+        let mut shard = index.shard(0).write();
+        for (l, d) in engines {
+            shard.learn_durable_engine(l, d);
+        }
+        for (l, d) in partitions {
+            shard.learn_durable_partition(l, d);
+        }
+    }
+    let mut rng = Rng::new(seed);
+    for _ in 0..stores {
+        let family = rng.below(FAMILIES as usize) as u64;
+        index
+            .apply(&chain_event(rng.below(ENGINES as usize) as u64, family), 0)
+            .expect("stores");
+    }
+    (index, store)
+}
+
+fn bench_shard_writeback(c: &mut Criterion) {
+    let mut g = c.benchmark_group("shard_writeback");
+    g.sample_size(10);
+    let mut seed = 1;
+    g.bench_function("evict_dirty_l1_to_10_percent_128_key_batches", |b| {
+        b.iter_custom(|iters| {
+            let mut spent = Duration::ZERO;
+            let mut written = 0usize;
+            for _ in 0..iters {
+                let dir = tempfile::tempdir().expect("tempdir");
+                seed += 1;
+                let (index, store) = dirty_shard(dir.path(), 4_000, seed);
+                let l1 = ShardL1::new(index.clone(), 0);
+                let used = l1.bytes_used();
+                let mut settings = WritebackSettings::for_budget(used * 10 / 9);
+                settings.low_watermark = 0.1;
+                settings.high_watermark = 0.5;
+                let mut ctl = WritebackController::new(
+                    l1,
+                    StoreSink::new(store),
+                    Arc::new(CircuitBreaker::new(Arc::new(SystemClock))),
+                    settings,
+                );
+                let t = Instant::now();
+                let r = ctl.evict();
+                spent += t.elapsed();
+                written += r.written;
+                assert!(r.stopped.is_none() && r.written > 0, "{r:?}");
+            }
+            println!(
+                "  {:.2} M entries/s written back ({written} entries, {:.1} ms)",
+                written as f64 / spent.as_secs_f64() / 1e6,
+                spent.as_secs_f64() * 1e3
+            );
+            spent
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(benches, bench_tiered_lookup, bench_shard_writeback);
 criterion_main!(benches);

@@ -10,11 +10,16 @@ mod support;
 
 use kvindex::config::Config;
 use kvindex::event::{Event, encode};
+use kvindex::index::shard::{L1Key, TierSettings, TierStats};
 use kvindex::index::{Index, IndexConfig};
 use kvindex::produce::{Fleet, FleetConfig};
 use kvindex::service::Service;
 use kvindex::source::Message;
-use kvindex::writeback::{Fault, ManualClock};
+use kvindex::store::{Store, StoreOptions, StoreSink};
+use kvindex::writeback::{
+    CircuitBreaker, Fault, FaultInjector, L1Tier, L2Sink, ManualClock, ShardL1, Stop,
+    WritebackController, WritebackSettings,
+};
 use std::sync::Arc;
 use std::time::Duration;
 use support::{Fingerprint, fingerprint, wait_for};
@@ -255,4 +260,106 @@ fn a_failing_l2_opens_the_breaker_pauses_the_sources_and_loses_nothing() {
     let healed = service.tiering.stats();
     assert!(!healed.breaker_open(), "{healed:?}");
     assert!(healed.breaker_rejections > 0, "{healed:?}");
+}
+
+/// One tiered shard over a fresh store: traffic committed once (durable ids), then more
+/// traffic applied since (dirty entries).
+fn live_shard(dir: &std::path::Path) -> (Arc<Index>, Arc<Store>, Traffic) {
+    let opts = StoreOptions {
+        shards: 1,
+        seed: 1,
+        sync: false,
+    };
+    let store = Arc::new(Store::open(dir, &opts).unwrap());
+    let index = Arc::new(Index::new(IndexConfig { shards: 1, seed: 1 }));
+    {
+        let mut shard = index.shard(0).write();
+        shard.enable_tiers(
+            store.clone(),
+            0,
+            TierSettings {
+                restore_on_read: false,
+            },
+            Arc::new(TierStats::default()),
+            false,
+        );
+        shard.enable_change_tracking();
+    }
+    let mut traffic = Traffic {
+        fleet: fleet(5),
+        next_offset: 0,
+    };
+    let apply = |traffic: &mut Traffic, n| {
+        for ev in traffic.batch(n).1 {
+            let _ = index.apply(&ev, 0);
+        }
+    };
+    apply(&mut traffic, 50);
+    let changes = index.shard(0).write().take_changes();
+    store.commit(0, &changes, &[]).unwrap();
+    let (engines, partitions) = store.durable_ids(&changes.engine_names, &changes.partitions);
+    {
+        let mut shard = index.shard(0).write();
+        engines
+            .into_iter()
+            .for_each(|(l, d)| shard.learn_durable_engine(l, d));
+        partitions
+            .into_iter()
+            .for_each(|(l, d)| shard.learn_durable_partition(l, d));
+    }
+    apply(&mut traffic, 50);
+    (index, store, traffic)
+}
+
+#[test]
+fn a_live_shard_keeps_what_is_read_in_flight_and_everything_when_the_write_fails() {
+    let dir = tempfile::tempdir().unwrap();
+    let (index, store, mut traffic) = live_shard(dir.path());
+    let q = queries(&mut traffic, 24);
+    let before = fingerprint(&index, &q, BLOCK_SIZE);
+    let l1 = ShardL1::new(index.clone(), 0);
+
+    // A block read (by a lookup) while its batch is in flight stays in L1.
+    let victims = l1.coldest(128);
+    assert!(victims.iter().any(|v| v.dirty.is_some()), "no dirty victim");
+    let Some(block) = victims.iter().find_map(|v| match v.key {
+        L1Key::Block(k) => Some(k),
+        L1Key::Map { .. } => None,
+    }) else {
+        panic!("no block among the victims")
+    };
+    let stamps: Vec<_> = victims.iter().map(|v| v.stamp()).collect();
+    // The batch in flight (as the controller writes it), and a lookup meanwhile.
+    let rows: Vec<_> = victims.iter().filter_map(|v| v.dirty.clone()).collect();
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    StoreSink::new(store.clone())
+        .write_batch(&rows, deadline)
+        .unwrap();
+    index.lookup_keys(&[block]);
+    let entries = l1.entry_count();
+    let removal = l1.remove_if_unchanged(&stamps);
+    assert!(removal.kept >= 1, "{removal:?}");
+    assert_eq!(entries - removal.removed, l1.entry_count());
+    assert!(
+        index.shard(0).read().l1_blocks_contain(block),
+        "a block read in flight left L1"
+    );
+
+    // L2 failing: an eviction pass removes nothing, and says why.
+    let sink = FaultInjector::new(StoreSink::new(store));
+    let faults = sink.handle();
+    faults.set_sticky(Fault::Fail);
+    let used = l1.bytes_used();
+    let mut ctl = WritebackController::new(
+        l1.clone(),
+        sink,
+        Arc::new(CircuitBreaker::new(Arc::new(ManualClock::new()))),
+        WritebackSettings::for_budget(used),
+    );
+    let entries = l1.entry_count();
+    let r = ctl.evict();
+    assert_eq!(r.stopped, Some(Stop::Failed), "{r:?}");
+    assert_eq!(r.removed, 0, "{r:?}");
+    assert_eq!(l1.entry_count(), entries);
+    assert_eq!(fingerprint(&index, &q, BLOCK_SIZE), before);
 }

@@ -35,9 +35,9 @@ pub(crate) struct Changes {
     /// L1 mirrors the store plus what is dirty, so such a row is not in the store either: if
     /// it is gone again when the changes are taken, no delete is written for it. Under churn
     /// (blocks stored and evicted within one checkpoint interval) this keeps RocksDB free of
-    /// tombstones that every later reload would have to skip. (This relies on L1 holding
-    /// every stored row, which the bounded L1 of the write-back work will have to keep true
-    /// for dirty rows or revisit.)
+    /// tombstones that every later reload would have to skip. With a bounded L1 this holds
+    /// because an event reads an evicted row back from L2 before it marks it (so "new in L1"
+    /// is "new"), and write-back clears the marks of the rows it writes.
     pub(crate) born_blocks: hashbrown::HashSet<u64>,
     pub(crate) born_maps: hashbrown::HashSet<(EngineIdx, u32, u64)>,
 }

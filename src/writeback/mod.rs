@@ -1,5 +1,6 @@
-//! Bounded L1 with durable write-back to the RocksDB L2 (issue 4): the machinery, independent
-//! of the shard's data structures, which plug in through [`L1Tier`].
+//! Bounded L1 with durable write-back to the RocksDB L2 (issue 4): the rules, independent of
+//! the shard's data structures, which plug in through [`L1Tier`], and their wiring into the
+//! live index.
 //!
 //! - [`breaker`]: the circuit breaker (2, 4, 8, … 60 s pauses after consecutive failures) and
 //!   the injectable [`Clock`].
@@ -9,17 +10,12 @@
 //! - [`controller`]: the rules: watermarks, 128-key batches removed only once durable, hard
 //!   cap and backpressure, periodic backup flush with a rotating cursor, emergency eviction.
 //! - [`stats`]: counters and the `/v1/stats` / `/metrics` view of them.
-//!
-//! # Wiring into a shard (for the integrator)
-//! 1. Implement [`L1Tier`] for a handle on the shard's L1 that locks per call (every method
-//!    takes `&self`, so no lock is held while a batch is in flight to RocksDB).
-//! 2. Build one [`CircuitBreaker`] per L2 (shared by `Arc` among the shards) with
-//!    [`SystemClock`], one [`RocksSink`] over the store's database, and one
-//!    [`WritebackController`] per shard from [`WritebackSettings::from_config`].
-//! 3. On the shard's worker thread, after each commit: [`WritebackController::maintain`]; if
-//!    [`WritebackController::must_pause`], stop pulling events and call `maintain` again
-//!    after a short sleep (the breaker's `remaining` says how long a retry is pointless).
-//! 4. Serve [`WritebackController::stats`] in `/v1/stats` and render it in `/metrics`.
+//! - [`shard_l1`]: [`L1Tier`] over a shard of the live index (its side is
+//!   `index/shard/tiers.rs`: sampled LRU, dirty = changed since the last checkpoint commit,
+//!   read-through from the store).
+//! - [`live`]: the service's wiring: the budget split over shards, one controller per shard
+//!   worker over the store ([`crate::store::StoreSink`]) and one shared breaker, the summed
+//!   `/v1/stats` view.
 
 pub mod breaker;
 pub mod controller;

@@ -499,6 +499,11 @@ impl Shard {
             + self.map_entry_count() as u64 * MAP_ENTRY_BYTES
     }
 
+    /// Whether block `key` is resident in L1 (tests, diagnostics).
+    pub fn l1_blocks_contain(&self, key: u64) -> bool {
+        self.table.blocks.contains_key(key)
+    }
+
     /// Entries resident in L1: blocks and engine-map entries.
     pub fn l1_entries(&self) -> usize {
         self.table.blocks.len() + self.map_entry_count()
