@@ -22,6 +22,12 @@
 //! shard's write lock (between two events, so rows and offsets agree); the RocksDB write runs
 //! outside it, so lookups never wait on I/O. A failed commit puts the changes back and is
 //! retried at the next tick; nothing is acknowledged upstream until it succeeds.
+//!
+//! # Bounded L1
+//! With a [`Tiering`] ([`Pipeline::start_tiered`], what the service uses), each worker also
+//! runs its shard's write-back after every batch and commit (`writeback/live.rs`): commits pass
+//! the L2 circuit breaker, and while the shard's L1 is at its hard cap the worker takes no
+//! work, so its queue fills and `submit` / `ingest_batch` block: the sources pause.
 
 use crate::checkpoint::{NONE, PartId, Progress};
 use crate::event::{DecodeOptions, Decoded, Envelope, Event, EventKind, decode_payload};

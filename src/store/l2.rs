@@ -101,6 +101,9 @@ impl L2Reader for Store {
     }
 }
 
+/// `(shard-local id, durable id)` pairs, as [`Store::durable_ids`] returns them.
+pub type IdPairs = Vec<(u32, u32)>;
+
 impl Store {
     /// The durable ids of the engines and partitions named (by shard-local index), for those
     /// whose registry rows are written: `(local, durable)` pairs.
@@ -108,7 +111,7 @@ impl Store {
         &self,
         engines: &[Arc<str>],
         partitions: &[PartitionKey],
-    ) -> (Vec<(u32, u32)>, Vec<(u32, u32)>) {
+    ) -> (IdPairs, IdPairs) {
         let reg = self.registry.lock();
         let e = engines
             .iter()
