@@ -36,6 +36,8 @@ enum BenchCommand {
     Replay(cli::bench::ReplayArgs),
     /// Time a restart to the first answered lookup for a durable index of a given size.
     Restart(cli::bench_restart::RestartArgs),
+    /// Lookups per second over HTTP from an index far larger than its L1 budget.
+    Http(cli::bench_http::HttpArgs),
 }
 
 fn init_tracing() {
@@ -64,6 +66,7 @@ fn main() -> anyhow::Result<()> {
         Command::Produce(args) => runtime()?.block_on(cli::produce::produce(args)),
         Command::Bench(BenchCommand::Replay(args)) => cli::bench::replay(args),
         Command::Bench(BenchCommand::Restart(args)) => cli::bench_restart::restart(args),
+        Command::Bench(BenchCommand::Http(args)) => cli::bench_http::http(args),
     }
 }
 

@@ -1,7 +1,9 @@
 //! Subcommands of the `kvindex` binary, one file each.
 
 pub mod bench;
+pub mod bench_http;
 pub mod bench_restart;
+pub mod bench_setup;
 pub mod produce;
 pub mod replay;
 pub mod serve;

@@ -43,7 +43,7 @@ use codec::*;
 use parking_lot::Mutex;
 use registry::Registry;
 use rocksdb::{
-    BlockBasedOptions, ColumnFamily, ColumnFamilyDescriptor, DB, DBCompressionType, Options,
+    BlockBasedOptions, Cache, ColumnFamily, ColumnFamilyDescriptor, DB, DBCompressionType, Options,
     ReadOptions, WriteBatch, WriteOptions,
 };
 use std::path::{Path, PathBuf};
@@ -133,15 +133,27 @@ pub struct Store {
     registry: Mutex<Registry>,
 }
 
-/// The options of the two big column families: LZ4 (the only codec compiled in) and bloom
-/// filters, so point reads of absent keys (the later L2 read path) rarely touch a data block.
-fn cf_options(bloom: bool) -> Options {
+/// RocksDB's block cache, shared by the column families that hold index rows. Index and filter
+/// blocks live in it too, so RocksDB's read-side memory stays this size however large L2 grows.
+const BLOCK_CACHE_BYTES: usize = 64 << 20;
+/// Memtables of all column families together (RocksDB's write buffer manager): without it each
+/// column family could hold two 64 MiB memtables. With the block cache, this is the fixed
+/// overhead the L1 budget (`index.l1_max_bytes`) does not count.
+const MEMTABLE_BYTES: usize = 64 << 20;
+
+/// The options of a column family: LZ4 (the only codec compiled in); for the two big ones, bloom
+/// filters, so point reads of absent keys (lookups and events falling through to L2) rarely
+/// touch a data block, and the shared block cache.
+fn cf_options(cache: Option<&Cache>) -> Options {
     let mut o = Options::default();
     o.set_compression_type(DBCompressionType::Lz4);
     o.set_bottommost_compression_type(DBCompressionType::Lz4);
-    if bloom {
+    if let Some(cache) = cache {
         let mut t = BlockBasedOptions::default();
         t.set_bloom_filter(10.0, false);
+        t.set_block_cache(cache);
+        t.set_cache_index_and_filter_blocks(true);
+        t.set_pin_l0_filter_and_index_blocks_in_cache(true);
         o.set_block_based_table_factory(&t);
     }
     o
@@ -155,7 +167,7 @@ impl Store {
             .ok()
             .filter(|&n| n > 0)
             .ok_or(StoreError::BadShardCount(opts.shards))?;
-        let mut db_opts = cf_options(false);
+        let mut db_opts = cf_options(None);
         db_opts.create_if_missing(true);
         db_opts.create_missing_column_families(true);
         // Bounds the WAL a restart after `kill -9` must replay (the offsets and meta column
@@ -163,13 +175,15 @@ impl Store {
         // the first lookup does not grow with how much was written since the last flush.
         db_opts.set_max_total_wal_size(64 << 20);
         db_opts.increase_parallelism(2);
+        db_opts.set_db_write_buffer_size(MEMTABLE_BYTES);
+        let cache = Cache::new_lru_cache(BLOCK_CACHE_BYTES);
         let cfs = [
-            (CF_BLOCKS, true),
-            (CF_MAPS, true),
-            (CF_OFFSETS, false),
-            (CF_META, false),
+            (CF_BLOCKS, Some(&cache)),
+            (CF_MAPS, Some(&cache)),
+            (CF_OFFSETS, None),
+            (CF_META, None),
         ]
-        .map(|(name, bloom)| ColumnFamilyDescriptor::new(name, cf_options(bloom)));
+        .map(|(name, cache)| ColumnFamilyDescriptor::new(name, cf_options(cache)));
         let db = DB::open_cf_descriptors(&db_opts, dir, cfs)?;
         let mut write_opts = WriteOptions::default();
         write_opts.set_sync(opts.sync);

@@ -1,0 +1,93 @@
+//! The service-level bench subcommands of the real binary, on small inputs: they must build
+//! their index, serve it and report, so the figures in BENCHMARKS.md stay reproducible.
+
+use std::process::Command;
+
+fn kvindex(args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvindex"))
+        .args(args)
+        .env("KVINDEX_LOG", "warn")
+        .output()
+        .expect("running kvindex");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "kvindex {args:?} failed: {}\n{stdout}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+/// A number printed right before `suffix` in `text`.
+fn figure_before(text: &str, suffix: &str) -> f64 {
+    let at = text
+        .find(suffix)
+        .unwrap_or_else(|| panic!("no `{suffix}` in:\n{text}"));
+    let number = text[..at].trim_end().rsplit(' ').next().unwrap();
+    number
+        .parse()
+        .unwrap_or_else(|_| panic!("`{number}` before `{suffix}`"))
+}
+
+#[test]
+fn bench_http_serves_an_index_larger_than_its_l1_from_l2() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().to_str().unwrap();
+    let out = kvindex(&[
+        "bench",
+        "http",
+        "--data-dir",
+        data,
+        "--memberships",
+        "40000",
+        "--l1-max-bytes",
+        "262144",
+        "--connections",
+        "2",
+        "--warmup",
+        "0",
+        "--seconds",
+        "1",
+    ]);
+    assert!(figure_before(&out, "lookups/s") > 0.0, "{out}");
+    assert!(out.contains("; 0 non-200;"), "{out}");
+    // The index is several times its budget, and lookups had to read L2.
+    assert!(figure_before(&out, "× the L1 budget") > 2.0, "{out}");
+    assert!(figure_before(&out, "point reads") > 0.0, "{out}");
+    // A second run reuses the built index.
+    let again = kvindex(&[
+        "bench",
+        "http",
+        "--data-dir",
+        data,
+        "--l1-max-bytes",
+        "262144",
+        "--connections",
+        "1",
+        "--warmup",
+        "0",
+        "--seconds",
+        "1",
+    ]);
+    assert!(again.contains("reusing the index"), "{again}");
+}
+
+#[test]
+fn bench_restart_times_restarts() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().to_str().unwrap();
+    let out = kvindex(&[
+        "bench",
+        "restart",
+        "--data-dir",
+        data,
+        "--memberships",
+        "20000",
+        "--history",
+        "30000",
+        "--runs",
+        "2",
+    ]);
+    assert!(out.contains("built "), "{out}");
+    assert!(figure_before(&out, "ms (min") > 0.0, "{out}");
+}
