@@ -174,19 +174,13 @@ pub fn http(args: HttpArgs) -> anyhow::Result<()> {
         number(&before, "/writeback/l2_entries"),
     );
 
-    load(
-        &served.addr,
-        &queries,
-        args.connections,
-        Duration::from_secs(args.warmup),
-    )?;
+    let run = |seconds| {
+        let duration = Duration::from_secs(seconds);
+        load(&served.addr, &queries, args.connections, duration)
+    };
+    run(args.warmup)?;
     let start = get_stats(&served.addr)?;
-    let r = load(
-        &served.addr,
-        &queries,
-        args.connections,
-        Duration::from_secs(args.seconds),
-    )?;
+    let r = run(args.seconds)?;
     let end = get_stats(&served.addr)?;
     let answered = r.latencies_us.len() as u64;
     let delta = |path: &str| number(&end, path).saturating_sub(number(&start, path));
