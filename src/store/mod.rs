@@ -133,8 +133,9 @@ pub struct Store {
     registry: Mutex<Registry>,
 }
 
-/// RocksDB's block cache, shared by the column families that hold index rows. Index and filter
-/// blocks live in it too, so RocksDB's read-side memory stays this size however large L2 grows.
+/// RocksDB's block cache (data blocks), shared by the column families that hold index rows.
+/// Index and bloom-filter blocks stay in the table readers, outside it: caching them here too
+/// (so they could be evicted) made spilled lookups' point reads 6.7× slower (BENCHMARKS.md).
 const BLOCK_CACHE_BYTES: usize = 64 << 20;
 /// Memtables of all column families together (RocksDB's write buffer manager): without it each
 /// column family could hold two 64 MiB memtables. With the block cache, this is the fixed
@@ -152,8 +153,6 @@ fn cf_options(cache: Option<&Cache>) -> Options {
         let mut t = BlockBasedOptions::default();
         t.set_bloom_filter(10.0, false);
         t.set_block_cache(cache);
-        t.set_cache_index_and_filter_blocks(true);
-        t.set_pin_l0_filter_and_index_blocks_in_cache(true);
         o.set_block_based_table_factory(&t);
     }
     o
