@@ -1,7 +1,7 @@
 //! `kvindex bench restart`: how long a restart takes until the first lookup is answered, for a
 //! durable index of a given size and a given length of event history behind it.
 //!
-//! 1. **Build** (once per data dir, [`bench_setup::build`]): fleet traffic goes through the real
+//! 1. **Build** (once per data dir, [`bench_setup::build_once`]): fleet traffic goes through the real
 //!    durable pipeline until the index holds `--memberships`, then churn until the history counts
 //!    `--history` events.
 //! 2. **Measure**: `kvindex serve` on that data dir is started `--runs` times; each run is timed
