@@ -1,9 +1,9 @@
 //! `kvindex bench restart`: how long a restart takes until the first lookup is answered, for a
 //! durable index of a given size and a given length of event history behind it.
 //!
-//! 1. **Build** (once per data dir, [`bench_setup::build_once`]): fleet traffic goes through the real
-//!    durable pipeline until the index holds `--memberships`, then churn until the history counts
-//!    `--history` events.
+//! 1. **Build** (once per data dir, [`bench_setup::build_once`]): fleet traffic goes through
+//!    the real durable pipeline until the index holds `--memberships`, then churn until the
+//!    history counts `--history` events.
 //! 2. **Measure**: `kvindex serve` on that data dir is started `--runs` times; each run is timed
 //!    from the spawn to the first `200` of `POST /v1/lookup`, then stopped. The median is
 //!    printed.
