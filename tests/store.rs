@@ -522,3 +522,55 @@ fn full_disk_makes_commit_fail_without_touching_the_index() {
         assert!(next.is_some());
     }
 }
+
+/// A bounded load sizes its block table for what its budget lets in, not for every row in L2:
+/// a table sized from RocksDB's row estimate touches memory for all of them (a start-up RSS
+/// peak far above `l1_max_bytes`).
+#[test]
+fn bounded_load_sizes_tables_for_its_budget_not_for_l2() {
+    use kvindex::event::{BlockContent, EngineHash};
+    use kvindex::index::Shard;
+    use kvindex::index::shard::BLOCK_ENTRY_BYTES;
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = open(dir.path());
+    let f = Feeder::new();
+    let partition = PartitionKey::new("t", "m", "");
+    // 4 engines × 1,000 chains of 8 blocks: 32,000 distinct blocks.
+    for e in 0..4u64 {
+        for chain in 0..1_000u64 {
+            let mut ev = Event::new(EventKind::Stored, format!("engine-{e}"), partition.clone());
+            ev.block_hashes = (0..8)
+                .map(|b| EngineHash(e << 40 | chain << 8 | b))
+                .collect();
+            ev.content = BlockContent::Tokens {
+                token_ids: (0..8 * 16)
+                    .map(|t| (e * 1_000_000 + chain * 1_000 + t) as u32)
+                    .collect(),
+                block_size: 16,
+            };
+            f.index.apply(&ev, 1).expect("stores");
+        }
+    }
+    for s in 0..SHARDS {
+        f.commit(&store, s);
+    }
+    store.flush().expect("flush");
+
+    let mut full = Shard::new(SEED);
+    let all = store.load_shard(0, &mut full).expect("loads");
+    assert!(all.blocks > 5_000, "{all:?}");
+    // A budget for about 5% of the shard's blocks.
+    let budget = all.blocks / 20 * BLOCK_ENTRY_BYTES;
+    let mut bounded = Shard::new(SEED);
+    let stats = store
+        .load_shard_bounded(0, &mut bounded, budget)
+        .expect("loads");
+    assert!(stats.left_in_l2 > all.blocks / 2, "{stats:?}");
+    assert_eq!(stats.memberships, all.memberships);
+    let (bounded_bytes, full_bytes) = (bounded.memory_bytes(), full.memory_bytes());
+    assert!(
+        bounded_bytes * 4 < full_bytes && (bounded_bytes as u64) < 4 * budget + (64 << 10),
+        "bounded load took {bounded_bytes} B for a {budget} B budget (unbounded: {full_bytes} B)"
+    );
+}

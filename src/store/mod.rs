@@ -603,8 +603,11 @@ impl Store {
             .db
             .property_int_value_cf(self.cf(CF_BLOCKS)?, "rocksdb.estimate-num-keys")?
             .unwrap_or(0);
-        // Capped: the estimate counts overwritten rows too, and the table never shrinks.
-        let per_shard = (estimate / u64::from(self.shards)).min(1 << 26) as usize;
+        // Capped: the estimate counts overwritten rows too, and the table never shrinks. A
+        // bounded load reserves only what its budget lets in: sizing the table for every row
+        // in L2 would touch memory for all of them (the peak RSS of a spilled start-up).
+        let fits = l1_budget.saturating_sub(l1_bytes) / BLOCK_ENTRY_BYTES;
+        let per_shard = (estimate / u64::from(self.shards)).min(fits).min(1 << 26) as usize;
         l.into.reserve_blocks(per_shard);
         // Rows arrive in key order but land in random table slots: they are restored in
         // groups whose slots are prefetched first, so the cache misses overlap.
