@@ -263,8 +263,8 @@ fn a_failing_l2_opens_the_breaker_pauses_the_sources_and_loses_nothing() {
 }
 
 /// One tiered shard over a fresh store: traffic committed once (durable ids), then more
-/// traffic applied since (dirty entries).
-fn live_shard(dir: &std::path::Path) -> (Arc<Index>, Arc<Store>, Traffic) {
+/// traffic applied since (dirty entries); and an untiered reference fed the same events.
+fn live_shard(dir: &std::path::Path) -> (Arc<Index>, Arc<Store>, Traffic, Index) {
     let opts = StoreOptions {
         shards: 1,
         seed: 1,
@@ -289,9 +289,11 @@ fn live_shard(dir: &std::path::Path) -> (Arc<Index>, Arc<Store>, Traffic) {
         fleet: fleet(5),
         next_offset: 0,
     };
+    let reference = Index::new(IndexConfig { shards: 1, seed: 1 });
     let apply = |traffic: &mut Traffic, n| {
         for ev in traffic.batch(n).1 {
             let _ = index.apply(&ev, 0);
+            let _ = reference.apply(&ev, 0);
         }
     };
     apply(&mut traffic, 50);
@@ -308,13 +310,13 @@ fn live_shard(dir: &std::path::Path) -> (Arc<Index>, Arc<Store>, Traffic) {
             .for_each(|(l, d)| shard.learn_durable_partition(l, d));
     }
     apply(&mut traffic, 50);
-    (index, store, traffic)
+    (index, store, traffic, reference)
 }
 
 #[test]
 fn a_live_shard_keeps_what_is_read_in_flight_and_everything_when_the_write_fails() {
     let dir = tempfile::tempdir().unwrap();
-    let (index, store, mut traffic) = live_shard(dir.path());
+    let (index, store, mut traffic, _) = live_shard(dir.path());
     let q = queries(&mut traffic, 24);
     let before = fingerprint(&index, &q, BLOCK_SIZE);
     let l1 = ShardL1::new(index.clone(), 0);
@@ -362,4 +364,58 @@ fn a_live_shard_keeps_what_is_read_in_flight_and_everything_when_the_write_fails
     assert_eq!(r.removed, 0, "{r:?}");
     assert_eq!(l1.entry_count(), entries);
     assert_eq!(fingerprint(&index, &q, BLOCK_SIZE), before);
+}
+
+/// A lookup queues the L2 blocks it read for restore; if an event removes one of them before
+/// the worker restores it, the removal is pending (L2 still holds the old row until the next
+/// commit) and the restore must not bring the old row back.
+#[test]
+fn a_restore_never_brings_back_a_block_removed_since_the_last_commit() {
+    let dir = tempfile::tempdir().unwrap();
+    let (index, store, mut traffic, reference) = live_shard(dir.path());
+    // Everything committed, then everything evicted: all blocks live only in L2.
+    let changes = index.shard(0).write().take_changes();
+    store.commit(0, &changes, &[]).unwrap();
+    let l1 = ShardL1::new(index.clone(), 0);
+    let mut ctl = WritebackController::new(
+        l1.clone(),
+        StoreSink::new(store.clone()),
+        Arc::new(CircuitBreaker::new(Arc::new(ManualClock::new()))),
+        WritebackSettings::for_budget(1),
+    );
+    ctl.evict();
+    let q = queries(&mut traffic, 200);
+    let keys: Vec<u64> = q
+        .iter()
+        .flat_map(|(partition, tokens)| {
+            index.query_keys(
+                partition,
+                &kvindex::index::QueryBlocks::Tokens {
+                    token_ids: tokens.clone(),
+                    block_size: BLOCK_SIZE,
+                },
+            )
+        })
+        .collect();
+    let resident = |keys: &[u64]| {
+        let shard = index.shard(0).read();
+        keys.iter().filter(|&&k| shard.l1_blocks_contain(k)).count()
+    };
+    assert!(
+        resident(&keys) * 4 < keys.len(),
+        "the queried blocks are in L2"
+    );
+
+    // More traffic, not committed: removals fault blocks in and drop them (pending).
+    for ev in traffic.batch(100).1 {
+        let _ = index.apply(&ev, 0);
+        let _ = reference.apply(&ev, 0);
+    }
+    let restored = index.shard(0).write().restore_blocks(&keys);
+    assert!(restored > 0, "nothing restored");
+    assert_eq!(
+        fingerprint(&index, &q, BLOCK_SIZE),
+        fingerprint(&reference, &q, BLOCK_SIZE),
+        "a restore resurrected a removed block"
+    );
 }

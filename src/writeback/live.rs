@@ -200,9 +200,18 @@ impl ShardWriteback {
         {
             tracing::debug!(shard = self.shard, error = %e, "no room made for restores");
         }
-        let mut shard = self.index.shard(self.shard).write();
-        let room = high.saturating_sub(shard.l1_bytes());
-        keys.truncate((room / Shard::restore_cost(&[0])) as usize);
-        shard.restore_blocks(&keys);
+        // The L2 reads happen under the read lock (lookups go on); only the inserts take the
+        // write lock. Nothing changes this shard's L2 rows in between: this worker is their
+        // only writer.
+        let lock = self.index.shard(self.shard);
+        let rows = {
+            let shard = lock.read();
+            let room = high.saturating_sub(shard.l1_bytes());
+            keys.truncate((room / Shard::restore_cost(&[0])) as usize);
+            shard.fetch_restores(&keys)
+        };
+        if !rows.is_empty() {
+            lock.write().insert_restored(rows);
+        }
     }
 }

@@ -18,9 +18,11 @@
 //! L2 first and keeps it in L1 as clean ("fault in"), before it changes anything; so event
 //! application itself only ever sees resident entries, and the counters (blocks, memberships,
 //! tiers), which always count L1 ∪ L2, stay exact. Lookups read L2 for blocks L1 lacks without
-//! keeping them, and queue them for [`Shard::restore_blocks`] (`restore_on_read`), which the
-//! shard's worker runs: only the worker changes L1, so a restore can never resurrect a value
-//! older than one it wrote back.
+//! keeping them, and queue them for restore (`restore_on_read`), which the shard's worker runs
+//! ([`Shard::fetch_restores`] under the read lock, so lookups go on during its L2 reads, then
+//! [`Shard::insert_restored`] under the write lock): only the worker changes L1 and writes the
+//! shard's L2 rows, so a restore can never resurrect a value older than one it wrote back, and
+//! a block with a change pending (removed since the last commit) is never restored.
 //!
 //! # LRU, approximately
 //! Every entry carries a `u32` stamp of the shard's tier clock at its last use (blocks also on
@@ -777,22 +779,48 @@ impl Shard {
     }
 
     /// Brings `keys` back into L1 from L2 (those L1 lacks); returns how many came back.
-    /// Failed reads are skipped: a restore is an optimization.
+    /// Failed reads are skipped: a restore is an optimization. [`Shard::fetch_restores`] then
+    /// [`Shard::insert_restored`] in one call, for a caller that holds the write lock anyway.
     pub fn restore_blocks(&mut self, keys: &[u64]) -> usize {
+        let rows = self.fetch_restores(keys);
+        self.insert_restored(rows)
+    }
+
+    /// The first half of a restore, under a *read* lock so lookups go on during the L2 reads:
+    /// the rows of `keys` that only L2 holds (not resident, no change pending), in local ids.
+    /// Sound only if the shard's L2 rows do not change before [`Shard::insert_restored`]:
+    /// the shard's worker, which alone applies its events and writes its rows (commits and
+    /// write-back), calls the two in turn.
+    pub fn fetch_restores(&self, keys: &[u64]) -> Vec<(u64, Holders)> {
+        let Some(t) = self.tiers.as_deref() else {
+            return Vec::new();
+        };
+        keys.iter()
+            .filter(|&&k| !self.table.blocks.contains_key(k) && !self.block_pending(k))
+            .filter_map(|&k| {
+                let row = self.read_block(t, k).ok()??;
+                Some((k, self.holders_of(&row)))
+            })
+            .collect()
+    }
+
+    /// The second half of a restore (write lock): inserts the fetched rows still absent from
+    /// L1 and not changed meanwhile; returns how many came back.
+    pub fn insert_restored(&mut self, rows: Vec<(u64, Holders)>) -> usize {
         let Some(t) = self.tiers.as_deref() else {
             return 0;
         };
-        let rows: Vec<(u64, StoredBlock)> = keys
-            .iter()
-            .filter(|&&k| !self.table.blocks.contains_key(k))
-            .filter_map(|&k| Some((k, self.read_block(t, k).ok()??)))
-            .collect();
-        t.stats.restored.fetch_add(rows.len() as u64, Relaxed);
-        for (key, row) in &rows {
-            let holders = self.holders_of(row);
-            self.insert_clean_block(*key, holders);
+        let stats = t.stats.clone();
+        let mut restored = 0;
+        for (key, holders) in rows {
+            if self.table.blocks.contains_key(key) || self.block_pending(key) {
+                continue;
+            }
+            self.insert_clean_block(key, holders);
+            restored += 1;
         }
-        rows.len()
+        stats.restored.fetch_add(restored as u64, Relaxed);
+        restored
     }
 
     /// The bytes restoring `keys` would add at most (every one absent, no spilled holders).
