@@ -188,6 +188,26 @@ async fn token_lookup_ranks_engines_by_prefix() {
         ]
     );
 
+    // `limit`: only the best engines, in the same order.
+    let v = lookup(
+        &app,
+        json!({"model": "llama", "token_ids": tokens(13), "limit": 2}),
+    )
+    .await;
+    assert_eq!(
+        rows(&v),
+        [
+            row("engine-a", 3, json!(12), "GPU"),
+            row("engine-0", 2, json!(8), "GPU"),
+        ]
+    );
+    let v = lookup(
+        &app,
+        json!({"model": "llama", "token_ids": tokens(13), "limit": 99}),
+    )
+    .await;
+    assert_eq!(rows(&v).len(), 4, "a limit above the answer caps nothing");
+
     // Diverging after the first block: everyone holding block 0 matches 1.
     let mut diverging = tokens(12);
     diverging[5] = 99;
@@ -234,7 +254,7 @@ async fn token_lookup_ranks_engines_by_prefix() {
     .await;
     assert_eq!(rows(&v).len(), 4);
 
-    assert_eq!(state.metrics.lookups.load(Ordering::Relaxed), 5);
+    assert_eq!(state.metrics.lookups.load(Ordering::Relaxed), 7);
 }
 
 #[tokio::test]

@@ -25,6 +25,8 @@ pub struct LookupRequest {
     pub query: Query,
     /// `block_size` as the request gave it.
     pub block_size: Option<u32>,
+    /// At most this many engines in the answer (the best ones); `None`: all of them.
+    pub limit: Option<usize>,
 }
 
 /// The blocks a lookup asks about.
@@ -62,6 +64,8 @@ struct RawLookup {
     block_hashes: List<EngineHash, MAX_QUERY_HASHES>,
     #[serde(default)]
     block_size: Scalar<BlockSize>,
+    #[serde(default)]
+    limit: Scalar<Limit>,
 }
 
 const TOKEN_IDS_TYPE: &str = "token_ids: expected an array of unsigned 32-bit integers";
@@ -87,6 +91,15 @@ impl RawLookup {
             _ => {
                 return Err(ApiError::bad_request(
                     "block_size: expected an integer from 1 to 4294967295",
+                ));
+            }
+        };
+        let limit = match self.limit.0 {
+            Field::Absent => None,
+            Field::Valid(Limit(n)) => Some(n),
+            _ => {
+                return Err(ApiError::bad_request(
+                    "limit: expected a positive integer (most engines to answer with)",
                 ));
             }
         };
@@ -124,6 +137,7 @@ impl RawLookup {
             },
             query,
             block_size,
+            limit,
         })
     }
 }
@@ -203,6 +217,16 @@ impl FromJson for BlockSize {
     const EXPECTING: &'static str = "a positive 32-bit integer";
     fn from_u64(v: u64) -> Option<Self> {
         u32::try_from(v).ok().filter(|&n| n > 0).map(BlockSize)
+    }
+}
+
+/// `limit`: at least 1 (larger than any fleet is fine: it only caps).
+struct Limit(usize);
+
+impl FromJson for Limit {
+    const EXPECTING: &'static str = "a positive integer";
+    fn from_u64(v: u64) -> Option<Self> {
+        usize::try_from(v).ok().filter(|&n| n > 0).map(Limit)
     }
 }
 
@@ -404,6 +428,22 @@ mod tests {
             Query::Hashes(vec![EngineHash(255), EngineHash(7), EngineHash(u64::MAX)])
         );
         assert_eq!(r.block_size, Some(16));
+        assert_eq!(r.limit, None);
+        let r = parse_lookup(br#"{"model":"m","token_ids":[1],"limit":8}"#).unwrap();
+        assert_eq!(r.limit, Some(8));
+        let r = parse_lookup(br#"{"model":"m","token_ids":[1],"limit":null}"#).unwrap();
+        assert_eq!(r.limit, None);
+    }
+
+    #[test]
+    fn limit_must_be_a_positive_integer() {
+        for bad in ["0", "-1", "1.5", "\"8\"", "[8]", "true"] {
+            assert_eq!(
+                err(&format!(r#"{{"model":"m","token_ids":[1],"limit":{bad}}}"#)),
+                "limit: expected a positive integer (most engines to answer with)",
+                "limit {bad}"
+            );
+        }
     }
 
     #[test]

@@ -40,6 +40,20 @@ pub struct HttpArgs {
     /// Seconds measured.
     #[arg(long, default_value_t = 20)]
     pub seconds: u64,
+    /// Ask for at most this many engines per answer (the lookup's `limit`), as a router
+    /// picking among the best few would; default: whole answers.
+    #[arg(long)]
+    pub limit: Option<usize>,
+}
+
+/// `body` (a JSON object) with `"limit": n` as its first field.
+fn with_limit(body: &[u8], n: usize) -> anyhow::Result<Vec<u8>> {
+    let rest = body
+        .strip_prefix(b"{")
+        .context("a bench query is not a JSON object")?;
+    let mut out = format!("{{\"limit\":{n},").into_bytes();
+    out.extend_from_slice(rest);
+    Ok(out)
 }
 
 /// What one load phase did.
@@ -147,7 +161,14 @@ pub fn http(args: HttpArgs) -> anyhow::Result<()> {
         bail!("--connections and --seconds must be at least 1");
     }
     bench_setup::build_once(&args.data_dir, args.memberships, 0)?;
-    let queries = Arc::new(bench_setup::read_queries(&args.data_dir)?);
+    let mut queries = bench_setup::read_queries(&args.data_dir)?;
+    if let Some(n) = args.limit {
+        queries = queries
+            .iter()
+            .map(|q| with_limit(q, n))
+            .collect::<anyhow::Result<_>>()?;
+    }
+    let queries = Arc::new(queries);
     let built: Value = serde_json::from_slice(
         &std::fs::read(bench_setup::built_file(&args.data_dir))
             .context("reading bench-index.json (use a fresh --data-dir)")?,

@@ -96,6 +96,10 @@ impl Answer {
             tier: m.tier,
         })
     }
+    /// Keeps the first `n` rows (the best engines: rows are sorted).
+    pub fn truncate(&mut self, n: usize) {
+        self.rows.truncate(n);
+    }
     /// Owned rows.
     pub fn to_vec(&self) -> Vec<EngineMatch> {
         self.iter()
