@@ -523,3 +523,37 @@ fn randomized_against_reference_model() {
         );
     }
 }
+
+/// `limit` cuts the full answer, exactly: the best `limit` engines in the full answer's order,
+/// whatever the cut falls on (inside a group of equal matches, across shards).
+#[test]
+fn a_limited_lookup_is_the_full_answer_cut_short() {
+    use kvindex::produce::{Fleet, FleetConfig};
+    let mut fleet = Fleet::new(FleetConfig {
+        engines: 40,
+        capacity_blocks: 400,
+        seed: 3,
+        ..FleetConfig::default()
+    });
+    let index = Index::new(IndexConfig { shards: 3, seed: 1 });
+    for _ in 0..600 {
+        for ev in fleet.next_request() {
+            let _ = index.apply(&ev, 0);
+        }
+    }
+    let mut widest = 0;
+    for _ in 0..60 {
+        let (p, token_ids) = fleet.sample_query();
+        let blocks = QueryBlocks::Tokens {
+            token_ids,
+            block_size: FleetConfig::default().block_size,
+        };
+        let full = index.lookup(&p, &blocks).1.to_vec();
+        widest = widest.max(full.len());
+        for limit in [1, 2, 3, 5, 8, 13, 40, 1000] {
+            let cut = index.lookup_limited(&p, &blocks, limit).1.to_vec();
+            assert_eq!(cut, full[..full.len().min(limit)], "limit {limit}");
+        }
+    }
+    assert!(widest > 8, "answers too narrow to test the cut: {widest}");
+}

@@ -159,10 +159,8 @@ fn answer(state: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Answe
         Query::Hashes(hashes) => (QueryBlocks::Hashes(hashes), req.block_size.or_else(learned)),
     };
     let start = Instant::now();
-    let (query_blocks, mut answer) = state.index.lookup(p, &blocks);
-    if let Some(limit) = req.limit {
-        answer.truncate(limit);
-    }
+    let limit = req.limit.unwrap_or(usize::MAX);
+    let (query_blocks, answer) = state.index.lookup_limited(p, &blocks, limit);
     state.metrics.observe_lookup(start.elapsed().as_secs_f64());
     Ok(Answered {
         partition: req.partition,

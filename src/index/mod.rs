@@ -96,10 +96,6 @@ impl Answer {
             tier: m.tier,
         })
     }
-    /// Keeps the first `n` rows (the best engines: rows are sorted).
-    pub fn truncate(&mut self, n: usize) {
-        self.rows.truncate(n);
-    }
     /// Owned rows.
     pub fn to_vec(&self) -> Vec<EngineMatch> {
         self.iter()
@@ -242,6 +238,12 @@ impl Index {
     /// Engines holding the longest runs of leading `keys`, sorted by `matched_blocks`
     /// descending, then `engine_id` ascending.
     pub fn lookup_keys(&self, keys: &[u64]) -> Answer {
+        self.lookup_keys_limited(keys, usize::MAX)
+    }
+
+    /// [`Index::lookup_keys`] cut to the best `limit` engines, computed as such: each shard
+    /// orders only the rows that can make the cut, and the merge stops at `limit`.
+    pub fn lookup_keys_limited(&self, keys: &[u64], limit: usize) -> Answer {
         let mut answer = Answer {
             rows: Vec::new(),
             names: Vec::with_capacity(self.shards.len()),
@@ -254,7 +256,7 @@ impl Index {
             let shard = s.read();
             // Each shard orders its own rows with integer keys (name ranks); only the merge
             // below compares names, and only between rows of two shards.
-            shard.lookup_sorted(keys, &mut raw);
+            shard.lookup_sorted(keys, &mut raw, limit);
             answer.names.push(shard.engine_names().clone());
             runs.push(answer.rows.len());
             answer.rows.reserve(raw.len());
@@ -262,15 +264,25 @@ impl Index {
         }
         runs.push(answer.rows.len());
         if runs.windows(2).filter(|w| w[0] < w[1]).count() > 1 {
-            merge_runs(&mut answer, &runs);
+            merge_runs(&mut answer, &runs, limit);
         }
         answer
     }
 
     /// [`Index::query_keys`] then [`Index::lookup_keys`].
     pub fn lookup(&self, partition: &PartitionKey, blocks: &QueryBlocks) -> (usize, Answer) {
+        self.lookup_limited(partition, blocks, usize::MAX)
+    }
+
+    /// [`Index::query_keys`] then [`Index::lookup_keys_limited`].
+    pub fn lookup_limited(
+        &self,
+        partition: &PartitionKey,
+        blocks: &QueryBlocks,
+        limit: usize,
+    ) -> (usize, Answer) {
         let keys = self.query_keys(partition, blocks);
-        let rows = self.lookup_keys(&keys);
+        let rows = self.lookup_keys_limited(&keys, limit);
         (keys.len(), rows)
     }
 
@@ -330,13 +342,13 @@ impl Index {
     }
 }
 
-/// Merges the sorted per-shard runs of `answer.rows` (bounded by `runs`) into one sorted list:
-/// `matched` descending, then engine name ascending. k (shards) is small, so a linear scan for
-/// the best head beats a heap.
-fn merge_runs(answer: &mut Answer, runs: &[usize]) {
+/// Merges the sorted per-shard runs of `answer.rows` (bounded by `runs`) into one sorted list
+/// of at most `limit` rows: `matched` descending, then engine name ascending. k (shards) is
+/// small, so a linear scan for the best head beats a heap.
+fn merge_runs(answer: &mut Answer, runs: &[usize], limit: usize) {
     let mut cursors: Vec<(usize, usize)> = runs.windows(2).map(|w| (w[0], w[1])).collect();
-    let mut merged = Vec::with_capacity(answer.rows.len());
-    loop {
+    let mut merged = Vec::with_capacity(answer.rows.len().min(limit));
+    while merged.len() < limit {
         let mut best: Option<usize> = None;
         for (c, &(at, end)) in cursors.iter().enumerate() {
             if at == end {

@@ -780,9 +780,11 @@ impl Shard {
         Ok(removed)
     }
 
-    /// [`Shard::lookup`], with the rows appended to `out` sorted the way answers are: by
-    /// `matched` descending, then engine name ascending.
-    pub fn lookup_sorted(&self, keys: &[u64], out: &mut Vec<RawMatch>) {
+    /// [`Shard::lookup`], sorted by `matched` descending then engine name, and cut to the best
+    /// `limit` rows (`usize::MAX`: all). Only the groups of equal `matched` that reach into the
+    /// first `limit` rows are ordered, and of the last one only what is kept: an answer naming
+    /// a whole fleet costs a sort of the rows returned, not of every engine that matched.
+    pub fn lookup_sorted(&self, keys: &[u64], out: &mut Vec<RawMatch>, limit: usize) {
         let start = out.len();
         self.lookup(keys, out);
         // `lookup` emits rows grouped by `matched` ascending: reversing the whole run puts the
@@ -790,14 +792,25 @@ impl Shard {
         let rows = &mut out[start..];
         rows.reverse();
         let rank = &self.name_rank;
-        for group in rows.chunk_by_mut(|a, b| a.matched == b.matched) {
+        let key = |m: &RawMatch| rank[m.engine as usize];
+        let mut i = 0;
+        while i < rows.len() && i < limit {
+            let matched = rows[i].matched;
+            let end = i + rows[i..].partition_point(|m| m.matched == matched);
+            let group = &mut rows[i..end];
             // Engines often join in name order (engine-000, engine-001, ...): then a reversed
             // group is just backwards, and reversing it again is the whole sort.
             group.reverse();
-            if !group.is_sorted_by_key(|m| rank[m.engine as usize]) {
-                group.sort_unstable_by_key(|m| rank[m.engine as usize]);
+            let want = limit - i;
+            if want < group.len() {
+                group.select_nth_unstable_by_key(want - 1, key);
+                group[..want].sort_unstable_by_key(key);
+            } else if !group.is_sorted_by_key(key) {
+                group.sort_unstable_by_key(key);
             }
+            i = end;
         }
+        out.truncate(start + (out.len() - start).min(limit));
     }
 
     /// For each engine holding `keys[0]`: the longest run of leading `keys` it holds. Rows are
