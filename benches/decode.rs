@@ -1,5 +1,6 @@
 //! Decode throughput benchmarks (criterion): protobuf `CacheEvent` and a vLLM msgpack
-//! `BlockStored` batch, reported as events/s. Target: ≥ 1 M events/s per core.
+//! `BlockStored` batch, reported as events/s. Target: ≥ 1 M events/s per core. Also the
+//! lookup body parser (`lookup_body`), fast path against serde, in tokens/s.
 //!
 //! Each bench decodes one payload over and over, so the CPU's branch predictor ends up knowing
 //! its varint / msgpack-marker lengths by heart; the `_varied` twins cycle through payloads of
@@ -111,5 +112,43 @@ fn bench_decode(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, bench_decode);
+/// `POST /v1/lookup` bodies as a router sends them: a prompt of 2,250 token ids from a 128k
+/// vocabulary (the harness's average), with `limit`; the fast path against the general
+/// (serde) parser in the same run, in tokens/s.
+fn bench_lookup_body(c: &mut Criterion) {
+    const TOKENS: usize = 2_250;
+    let bodies: Vec<Vec<u8>> = (0..16)
+        .map(|i| {
+            let tokens = kvindex::produce::Rng::new(i).tokens(TOKENS);
+            serde_json::to_vec(&serde_json::json!({
+                "model": "llama-3-8b", "tenant": "acme", "adapter": "", "token_ids": tokens,
+                "limit": 8,
+            }))
+            .expect("json")
+        })
+        .collect();
+    let mut group = c.benchmark_group("lookup_body");
+    group.throughput(Throughput::Elements(TOKENS as u64));
+    for (name, parse) in [
+        (
+            "parse_lookup",
+            kvindex::api::request::parse_lookup as fn(&[u8]) -> _,
+        ),
+        (
+            "general_parser",
+            kvindex::api::request::parse_lookup_general,
+        ),
+    ] {
+        let mut next = 0;
+        group.bench_function(name, |b| {
+            b.iter(|| {
+                next = (next + 1) % bodies.len();
+                parse(black_box(&bodies[next])).expect("valid")
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, bench_decode, bench_lookup_body);
 criterion_main!(benches);

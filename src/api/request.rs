@@ -36,8 +36,23 @@ pub enum Query {
     Hashes(Vec<EngineHash>),
 }
 
-/// Parses and validates a lookup body.
+mod fast;
+
+/// Parses and validates a lookup body: the usual body through the fast path
+/// ([`parse_lookup_fast`]), anything else through [`parse_lookup_general`].
 pub fn parse_lookup(body: &[u8]) -> Result<LookupRequest, ApiError> {
+    parse_lookup_fast(body).unwrap_or_else(|| parse_lookup_general(body))
+}
+
+/// The fast path alone (`request/fast.rs`): `None` when the body is outside the subset of JSON
+/// it reads; otherwise exactly what [`parse_lookup_general`] answers.
+pub fn parse_lookup_fast(body: &[u8]) -> Option<Result<LookupRequest, ApiError>> {
+    fast::parse(body).map(RawLookup::validate)
+}
+
+/// The complete parser (serde), for every body the fast path does not read; it owns every
+/// error message. Public so tests and benches can hold the fast path against it.
+pub fn parse_lookup_general(body: &[u8]) -> Result<LookupRequest, ApiError> {
     // serde would also accept a JSON array as a positional struct: insist on an object.
     if body.trim_ascii_start().first() != Some(&b'{') {
         return Err(match serde_json::from_slice::<IgnoredAny>(body) {
@@ -50,7 +65,7 @@ pub fn parse_lookup(body: &[u8]) -> Result<LookupRequest, ApiError> {
     raw.validate()
 }
 
-#[derive(serde::Deserialize)]
+#[derive(serde::Deserialize, Default)]
 struct RawLookup {
     #[serde(default)]
     model: Scalar<String>,
