@@ -131,20 +131,27 @@ impl<'a> Scanner<'a> {
         self.plain_str().map(|s| Field::Valid(s.to_string()))
     }
 
-    /// A non-negative integer without sign, fraction or exponent that fits a `u64` (callers
+    /// A non-negative integer of at most 19 digits, without sign, fraction or exponent (callers
     /// then expect a separator, so `1.5` or `1e3` fails at its `.` or `e`).
     fn uint(&mut self) -> Option<u64> {
-        let start = self.i;
+        let (b, start) = (self.b, self.i);
+        let mut i = start;
         let mut v = 0u64;
-        while let Some(c @ b'0'..=b'9') = self.peek() {
-            v = v.checked_mul(10)?.checked_add(u64::from(c - b'0'))?;
-            self.i += 1;
+        while let Some(&c) = b.get(i) {
+            let digit = c.wrapping_sub(b'0');
+            if digit > 9 {
+                break;
+            }
+            v = v.wrapping_mul(10).wrapping_add(u64::from(digit));
+            i += 1;
         }
-        let digits = self.i - start;
-        // No digits, or a leading zero (`01` is not JSON).
-        if digits == 0 || (digits > 1 && self.b[start] == b'0') {
+        let digits = i - start;
+        // No digits, a leading zero (`01` is not JSON), or more than a u64 surely holds (no
+        // count, size or token id has that many: the general parser words the error).
+        if digits == 0 || digits > 19 || (digits > 1 && b[start] == b'0') {
             return None;
         }
+        self.i = i;
         Some(v)
     }
 
@@ -184,5 +191,51 @@ impl<'a> Scanner<'a> {
             }
         }
         Some(Field::Valid(out))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scan(text: &str) -> (Option<u64>, usize) {
+        let mut s = Scanner {
+            b: text.as_bytes(),
+            i: 0,
+        };
+        (s.uint(), s.i)
+    }
+
+    #[test]
+    fn reads_integers_up_to_ten_million_with_any_follower() {
+        for n in (0..10_000_000u64)
+            .step_by(7)
+            .chain([9_999_999, 1_000_000, 10])
+        {
+            let digits = n.to_string();
+            for follower in [",1,2,3,4,5,6,7", "]}", "", " ,", "\u{ff}x"] {
+                assert_eq!(
+                    scan(&format!("{digits}{follower}")),
+                    (Some(n), digits.len()),
+                    "{digits}{follower}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn long_and_malformed_numbers() {
+        assert_eq!(scan("12345678,").0, Some(12_345_678));
+        assert_eq!(scan("4294967296]").0, Some(4_294_967_296));
+        assert_eq!(
+            scan("1234567890123456789,").0,
+            Some(1_234_567_890_123_456_789)
+        );
+        assert_eq!(scan("12345678901234567890,").0, None);
+        for bad in ["01,", "00", "0123456789", ",1", "-1,", "", "a1"] {
+            assert_eq!(scan(bad).0, None, "{bad}");
+        }
+        assert_eq!(scan("0,00000000").0, Some(0));
+        assert_eq!(scan("1.5,").0, Some(1));
     }
 }
