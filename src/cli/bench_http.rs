@@ -201,7 +201,9 @@ pub fn http(args: HttpArgs) -> anyhow::Result<()> {
     };
     run(args.warmup)?;
     let start = get_stats(&served.addr)?;
+    let cpu_start = served.cpu_time();
     let r = run(args.seconds)?;
+    let cpu_end = served.cpu_time();
     let end = get_stats(&served.addr)?;
     let answered = r.latencies_us.len() as u64;
     let delta = |path: &str| number(&end, path).saturating_sub(number(&start, path));
@@ -218,6 +220,16 @@ pub fn http(args: HttpArgs) -> anyhow::Result<()> {
         r.non_200,
         100.0 * r.matched as f64 / answered.max(1) as f64,
     );
+    // The server's own CPU per lookup: what the load generator sharing the cores, and the
+    // machine's other tenants, do not change much (throughput they do).
+    if let (Some(a), Some(b)) = (cpu_start, cpu_end) {
+        let used = b.saturating_sub(a);
+        println!(
+            "server CPU: {:.1} µs per lookup ({:.2} cores busy on average)",
+            used.as_secs_f64() * 1e6 / answered.max(1) as f64,
+            used.as_secs_f64() / r.elapsed.as_secs_f64(),
+        );
+    }
     println!(
         "L2 during the run: {} point reads ({:.1} per lookup), {} found, {} restored to L1; \
          L1 now {:.1} MiB, {} write-back batches",

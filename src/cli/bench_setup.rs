@@ -253,6 +253,19 @@ impl Served {
         Some((field("VmRSS:")?, field("VmHWM:")?))
     }
 
+    /// CPU time the server has used so far, all threads, user and system (`/proc/<pid>/stat`,
+    /// in Linux's fixed 100 Hz clock ticks).
+    pub fn cpu_time(&self) -> Option<Duration> {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.pid())).ok()?;
+        // Fields after the command name (which may hold spaces) start at field 3, `state`;
+        // utime and stime are fields 14 and 15.
+        let rest = &stat[stat.rfind(')')? + 1..];
+        let mut fields = rest.split_whitespace().skip(11);
+        let ticks: u64 =
+            fields.next()?.parse::<u64>().ok()? + fields.next()?.parse::<u64>().ok()?;
+        Some(Duration::from_millis(ticks * 10))
+    }
+
     /// SIGTERM (a clean shutdown), then waits for the exit.
     pub fn stop(mut self) -> anyhow::Result<()> {
         let _ = Command::new("kill")
