@@ -352,6 +352,7 @@ pub struct IngestContext {
 pub struct Ingest {
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
+    pipeline: Arc<Pipeline>,
 }
 
 impl Ingest {
@@ -359,6 +360,7 @@ impl Ingest {
     /// in the report), so this returns at once.
     pub fn start(spec: SourceSpec, ctx: IngestContext) -> std::io::Result<Ingest> {
         let stop = Arc::new(AtomicBool::new(false));
+        let pipeline = ctx.pipeline.clone();
         let thread = {
             let stop = stop.clone();
             std::thread::Builder::new()
@@ -380,6 +382,7 @@ impl Ingest {
         Ok(Ingest {
             stop,
             thread: Some(thread),
+            pipeline,
         })
     }
 
@@ -390,6 +393,9 @@ impl Ingest {
 
     fn shutdown(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
+        // The loop may be blocked handing a batch to a worker that holds events back at L1's
+        // hard cap while L2 is down: let the workers take it, or this join waits for L2.
+        self.pipeline.close();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }

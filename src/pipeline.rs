@@ -37,6 +37,7 @@ use crate::source::{Checkpoints, Message};
 use crate::store::{Store, StoreError};
 use crate::writeback::{ShardWriteback, Tiering};
 use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
 use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, SyncSender, sync_channel};
 use std::thread::JoinHandle;
@@ -113,6 +114,8 @@ pub struct Pipeline {
     progress: Arc<Progress>,
     senders: Vec<SyncSender<Msg>>,
     workers: Vec<JoinHandle<()>>,
+    /// Set by [`Pipeline::close`]: the workers stop holding events back at L1's hard cap.
+    closing: Arc<AtomicBool>,
 }
 
 pub fn now_us() -> i64 {
@@ -181,6 +184,7 @@ impl Pipeline {
     ) -> Pipeline {
         let mut senders = Vec::new();
         let mut workers = Vec::new();
+        let closing = Arc::new(AtomicBool::new(false));
         for shard in 0..index.shard_count() {
             let (tx, rx) = sync_channel(QUEUE_BATCHES);
             let mut worker = Worker::new(
@@ -192,6 +196,7 @@ impl Pipeline {
                 policy,
             );
             worker.writeback = tiering.map(|t| t.for_shard(shard));
+            worker.closing = closing.clone();
             let handle = std::thread::Builder::new()
                 .name(format!("kvindex-shard-{shard}"))
                 .spawn(move || worker.run(rx))
@@ -206,7 +211,17 @@ impl Pipeline {
             progress,
             senders,
             workers,
+            closing,
         }
+    }
+
+    /// Shutdown has begun. From now on the workers no longer hold events back while L1 is at
+    /// its hard cap: with L2 down that hold would last as long as the outage, and the sources
+    /// (stopping after a last batch and persist) with it, so the process would never exit.
+    /// What is queued is applied over the cap instead; commits still go through the breaker,
+    /// so offsets only advance over what is durable, and a restart replays the rest.
+    pub fn close(&self) {
+        self.closing.store(true, Relaxed);
     }
 
     pub fn index(&self) -> &Arc<Index> {
@@ -473,6 +488,8 @@ struct Worker {
     last_warn: Option<Instant>,
     /// The shard's bounded-L1 duty (`None`: L1 holds everything).
     writeback: Option<ShardWriteback>,
+    /// The pipeline's [`Pipeline::close`] flag.
+    closing: Arc<AtomicBool>,
 }
 
 impl Worker {
@@ -497,6 +514,7 @@ impl Worker {
             next_commit: Instant::now() + policy.interval,
             last_warn: None,
             writeback: None,
+            closing: Arc::default(),
         };
         // Floors restored from the store (Progress::restore) before the workers started.
         for id in 0..w.progress.len() as PartId {
@@ -524,8 +542,10 @@ impl Worker {
 
     /// While L1 is at its hard cap (the breaker keeps write-back from freeing it), take no
     /// events: the queue fills and the sources stop pulling. Commits and write-back retry.
+    /// Not once the pipeline is closing (see [`Pipeline::close`]).
     fn hold_while_full(&mut self) {
-        while self.writeback.as_ref().is_some_and(|w| w.must_pause()) {
+        while !self.closing.load(Relaxed) && self.writeback.as_ref().is_some_and(|w| w.must_pause())
+        {
             if Instant::now() >= self.next_commit {
                 self.commit();
             }

@@ -215,6 +215,9 @@ impl Service {
 /// start has no WAL to replay.
 impl Drop for Service {
     fn drop(&mut self) {
+        // Workers holding events back at L1's hard cap (L2 down) must take what is queued,
+        // or the last persist below would wait for L2 to come back.
+        self.pipeline.close();
         if !self.pipeline.persist() {
             tracing::warn!(
                 "the last commit before shutdown failed; the next start resumes from the previous one"

@@ -205,8 +205,18 @@ fn lookups_of_l2_blocks_bring_them_back_and_stats_report_it() {
     assert_eq!(json["breaker"]["state"], "closed");
 }
 
-#[test]
-fn a_failing_l2_opens_the_breaker_pauses_the_sources_and_loses_nothing() {
+/// A service whose L2 fails every write-back batch, fed until its breaker is open and L1 sits
+/// at the hard cap, with the feeder blocked (backpressure).
+struct Outage {
+    dir: tempfile::TempDir,
+    service: Arc<Service>,
+    clock: Arc<ManualClock>,
+    reference: Index,
+    traffic: Traffic,
+    feeder: std::thread::JoinHandle<()>,
+}
+
+fn outage_at_the_hard_cap() -> Outage {
     let dir = tempfile::tempdir().unwrap();
     let c = config(dir.path(), 32 << 10);
     let clock = Arc::new(ManualClock::new());
@@ -250,6 +260,26 @@ fn a_failing_l2_opens_the_breaker_pauses_the_sources_and_loses_nothing() {
     // Backpressure: the source's batch is not taken while L1 is full and L2 is down.
     std::thread::sleep(Duration::from_millis(300));
     assert!(!feeder.is_finished(), "events were taken past the hard cap");
+    Outage {
+        dir,
+        service,
+        clock,
+        reference,
+        traffic,
+        feeder,
+    }
+}
+
+#[test]
+fn a_failing_l2_opens_the_breaker_pauses_the_sources_and_loses_nothing() {
+    let Outage {
+        dir: _dir,
+        service,
+        clock,
+        reference,
+        mut traffic,
+        feeder,
+    } = outage_at_the_hard_cap();
 
     // L2 heals; once the breaker's pause has run out, everything drains.
     service.tiering.faults().clear();
@@ -260,6 +290,26 @@ fn a_failing_l2_opens_the_breaker_pauses_the_sources_and_loses_nothing() {
     let healed = service.tiering.stats();
     assert!(!healed.breaker_open(), "{healed:?}");
     assert!(healed.breaker_rejections > 0, "{healed:?}");
+}
+
+#[test]
+fn shutdown_does_not_wait_for_a_failing_l2_at_the_hard_cap() {
+    let o = outage_at_the_hard_cap();
+    // Shutdown begins while L2 is still down and the breaker open (the clock stands still):
+    // the held-back batch is taken, and the service drops (its last commit fails) promptly.
+    o.service.pipeline.close();
+    wait_for(
+        "the blocked source to hand over its batch",
+        Duration::from_secs(30),
+        || o.feeder.is_finished().then_some(()),
+    );
+    o.feeder.join().unwrap();
+    let service = o.service;
+    let dropped = std::thread::spawn(move || drop(service));
+    wait_for("the service to drop", Duration::from_secs(30), || {
+        dropped.is_finished().then_some(())
+    });
+    dropped.join().unwrap();
 }
 
 /// One tiered shard over a fresh store: traffic committed once (durable ids), then more
