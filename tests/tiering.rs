@@ -11,13 +11,13 @@ mod support;
 use kvindex::config::Config;
 use kvindex::event::{Event, encode};
 use kvindex::index::shard::{L1Key, TierSettings, TierStats};
-use kvindex::index::{Index, IndexConfig};
+use kvindex::index::{Index, IndexConfig, QueryBlocks};
 use kvindex::produce::{Fleet, FleetConfig};
 use kvindex::service::Service;
 use kvindex::source::Message;
 use kvindex::store::{Store, StoreOptions, StoreSink};
 use kvindex::writeback::{
-    CircuitBreaker, Fault, FaultInjector, L1Tier, L2Sink, ManualClock, ShardL1, Stop,
+    CircuitBreaker, Fault, FaultInjector, L1Tier, L2Sink, ManualClock, ShardL1, Stamp, Stop,
     WritebackController, WritebackSettings,
 };
 use std::sync::Arc;
@@ -312,9 +312,8 @@ fn shutdown_does_not_wait_for_a_failing_l2_at_the_hard_cap() {
     dropped.join().unwrap();
 }
 
-/// One tiered shard over a fresh store: traffic committed once (durable ids), then more
-/// traffic applied since (dirty entries); and an untiered reference fed the same events.
-fn live_shard(dir: &std::path::Path) -> (Arc<Index>, Arc<Store>, Traffic, Index) {
+/// One tiered shard (`restore_on_read` off) with change tracking, over a fresh store.
+fn tiered_shard(dir: &std::path::Path) -> (Arc<Index>, Arc<Store>) {
     let opts = StoreOptions {
         shards: 1,
         seed: 1,
@@ -335,6 +334,28 @@ fn live_shard(dir: &std::path::Path) -> (Arc<Index>, Arc<Store>, Traffic, Index)
         );
         shard.enable_change_tracking();
     }
+    (index, store)
+}
+
+/// Commits shard 0's changes and tells it the durable ids the commit wrote, as the pipeline
+/// does after each commit.
+fn commit_and_learn_ids(index: &Index, store: &Store) {
+    let changes = index.shard(0).write().take_changes();
+    store.commit(0, &changes, &[]).unwrap();
+    let (engines, partitions) = store.durable_ids(&changes.engine_names, &changes.partitions);
+    let mut shard = index.shard(0).write();
+    engines
+        .into_iter()
+        .for_each(|(l, d)| shard.learn_durable_engine(l, d));
+    partitions
+        .into_iter()
+        .for_each(|(l, d)| shard.learn_durable_partition(l, d));
+}
+
+/// One tiered shard over a fresh store: traffic committed once (durable ids), then more
+/// traffic applied since (dirty entries); and an untiered reference fed the same events.
+fn live_shard(dir: &std::path::Path) -> (Arc<Index>, Arc<Store>, Traffic, Index) {
+    let (index, store) = tiered_shard(dir);
     let mut traffic = Traffic {
         fleet: fleet(5),
         next_offset: 0,
@@ -347,20 +368,58 @@ fn live_shard(dir: &std::path::Path) -> (Arc<Index>, Arc<Store>, Traffic, Index)
         }
     };
     apply(&mut traffic, 50);
-    let changes = index.shard(0).write().take_changes();
-    store.commit(0, &changes, &[]).unwrap();
-    let (engines, partitions) = store.durable_ids(&changes.engine_names, &changes.partitions);
-    {
-        let mut shard = index.shard(0).write();
-        engines
-            .into_iter()
-            .for_each(|(l, d)| shard.learn_durable_engine(l, d));
-        partitions
-            .into_iter()
-            .for_each(|(l, d)| shard.learn_durable_partition(l, d));
-    }
+    commit_and_learn_ids(&index, &store);
     apply(&mut traffic, 50);
     (index, store, traffic, reference)
+}
+
+/// A dirty entry can leave L1 only once its row can be written, which takes the durable ids
+/// of its engines and partition: before the first commit makes them durable, the controller
+/// is offered no such entry, and no stamp removes one, whatever version it names.
+#[test]
+fn an_entry_whose_ids_are_not_durable_yet_never_leaves_l1() {
+    let dir = tempfile::tempdir().unwrap();
+    let (index, store) = tiered_shard(dir.path());
+    let mut traffic = Traffic {
+        fleet: fleet(9),
+        next_offset: 0,
+    };
+    for ev in traffic.batch(40).1 {
+        let _ = index.apply(&ev, 0);
+    }
+    let mut resident: Vec<u64> = queries(&mut traffic, 40)
+        .into_iter()
+        .flat_map(|(partition, token_ids)| {
+            let blocks = QueryBlocks::Tokens {
+                token_ids,
+                block_size: BLOCK_SIZE,
+            };
+            index.query_keys(&partition, &blocks)
+        })
+        .filter(|&k| index.shard(0).read().l1_blocks_contain(k))
+        .collect();
+    resident.sort_unstable();
+    resident.dedup();
+    assert!(resident.len() >= 10, "vacuous: {} blocks", resident.len());
+    // Every version the shard's clock can have given them so far.
+    let stamps: Vec<Stamp<L1Key>> = resident
+        .iter()
+        .flat_map(|&k| {
+            (0..64).map(move |version| Stamp {
+                key: L1Key::Block(k),
+                version,
+            })
+        })
+        .collect();
+    let l1 = ShardL1::new(index.clone(), 0);
+    assert!(l1.coldest(128).is_empty(), "offered an entry without ids");
+    let entries = l1.entry_count();
+    assert_eq!(l1.remove_if_unchanged(&stamps).removed, 0);
+    assert_eq!(l1.entry_count(), entries);
+
+    // Once the ids are durable, the same stamps do remove them: the check was not vacuous.
+    commit_and_learn_ids(&index, &store);
+    assert!(l1.remove_if_unchanged(&stamps).removed >= resident.len() / 2);
 }
 
 #[test]

@@ -6,7 +6,7 @@
 //! (block, engine) membership, so replaying a suffix of the log onto a newer state converges.
 
 use super::changes::{BlockChange, ChangeSet, Changes, EngineChange, MapChange};
-use super::hash::{self, U64Map};
+use super::hash;
 use super::holders::{
     DenseBits, EngineIdx, Holders, MAX_ENGINES, SetOutcome, should_be_dense, should_stay_dense,
 };
@@ -139,8 +139,9 @@ impl EngineState {
 struct BlockTable {
     /// Block key (partition-namespaced, see [`hash`]) → engines holding it.
     blocks: KeyTable<Block>,
-    /// Bitsets for blocks with many holders; see [`should_be_dense`].
-    dense: U64Map<DenseBits>,
+    /// Bitsets for blocks with many holders; see [`should_be_dense`]. A [`KeyTable`] too, so
+    /// a lookup can prefetch a block's bitset slot along with its block slot.
+    dense: KeyTable<DenseBits>,
     memberships: u64,
     /// Heap bytes of spilled holder lists and dense bitsets (the maps' own tables are measured
     /// from their capacity).
@@ -159,6 +160,16 @@ enum Added {
 }
 
 impl BlockTable {
+    /// Starts loading the slots a lookup of `key` reads: the block's and, when the shard has
+    /// dense blocks, its bitset's.
+    #[inline]
+    fn prefetch(&self, key: u64) {
+        self.blocks.prefetch(key);
+        if !self.dense.is_empty() {
+            self.dense.prefetch(key);
+        }
+    }
+
     #[inline]
     fn add(
         &mut self,
@@ -176,7 +187,7 @@ impl BlockTable {
         let len = holders.len();
         self.heap_bytes = self.heap_bytes + holders.heap_bytes() - heap_before;
         if len >= 16 && outcome != SetOutcome::Unchanged {
-            if let Some(d) = self.dense.get_mut(&key) {
+            if let Some(d) = self.dense.get_mut(key) {
                 let before = d.heap_bytes();
                 d.set(engine, tier);
                 self.heap_bytes = self.heap_bytes + d.heap_bytes() - before;
@@ -217,12 +228,12 @@ impl BlockTable {
         self.heap_bytes = self.heap_bytes + holders.heap_bytes() - heap_before;
         self.memberships -= 1;
         // Only blocks with 16+ holders keep bitsets; skip the probe for the rest.
-        if let Some(d) = (len + 1 >= 16).then(|| self.dense.get_mut(&key)).flatten() {
+        if let Some(d) = (len + 1 >= 16).then(|| self.dense.get_mut(key)).flatten() {
             if should_stay_dense(len, engine_count) {
                 d.clear(engine);
             } else {
                 self.heap_bytes -= d.heap_bytes();
-                self.dense.remove(&key);
+                self.dense.remove(key);
             }
         }
         let gone = len == 0;
@@ -830,13 +841,13 @@ impl Shard {
             let mut guard = cell.borrow_mut();
             let Scratch { active, next } = &mut *guard;
             for &key in keys.iter().skip(1).take(PREFETCH_AHEAD) {
-                self.table.blocks.prefetch(key);
+                self.table.prefetch(key);
             }
             active.reset(words);
             active.load(h0, self.dense_of(first, h0));
             for (i, key) in keys.iter().enumerate().skip(1) {
                 if let Some(&ahead) = keys.get(i + PREFETCH_AHEAD) {
-                    self.table.blocks.prefetch(ahead);
+                    self.table.prefetch(ahead);
                 }
                 let Some(h) = self.resolve(*key, now, &mut spare) else {
                     emit(active, None, i as u32, out);
@@ -873,7 +884,7 @@ impl Shard {
     #[inline]
     fn dense_of(&self, key: u64, holders: &Holders) -> Option<&DenseBits> {
         if holders.len() >= 16 {
-            self.table.dense.get(&key)
+            self.table.dense.get(key)
         } else {
             None
         }
@@ -1087,9 +1098,6 @@ impl Shard {
             .insert(hash, MapEntry { block, used: 0 });
     }
 
-    /// Restores one membership: `eid` holds `block` (of partition `pid`) at `tier`, with every
-    /// counter (engine tiers, partition blocks and memberships, bitsets) kept as `apply` keeps
-    /// them.
     /// Starts loading the table slot of block `key` into the cache (a reload prefetches a
     /// group of rows before it restores them).
     #[inline]
@@ -1102,6 +1110,9 @@ impl Shard {
         self.table.blocks.reserve(blocks);
     }
 
+    /// Restores one membership: `eid` holds `block` (of partition `pid`) at `tier`, with every
+    /// counter (engine tiers, partition blocks and memberships, bitsets) kept as `apply` keeps
+    /// them.
     pub fn restore_membership(&mut self, pid: u32, eid: EngineIdx, block: u64, tier: Tier) {
         let engine_count = self.engines.len();
         let engine = &mut self.engines[eid as usize];

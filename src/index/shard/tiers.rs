@@ -36,6 +36,7 @@ use crate::event::Tier;
 use crate::index::holders::{DenseBits, EngineIdx, Holders, should_be_dense};
 use crate::writeback::{DirtyPage, L2Row, Removal, Resident, Stamp};
 use parking_lot::Mutex;
+use smallvec::SmallVec;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
 
@@ -523,15 +524,39 @@ impl Shard {
     /// is not resident, or may not leave L1 yet (a dirty entry whose engine or partition has
     /// no durable id yet; a map entry whose map has a clear waiting for the next commit).
     fn resident(&self, key: L1Key) -> Option<Resident<L1Key>> {
+        self.inspect(key, true)
+    }
+
+    /// The version [`Shard::resident`] would report for `key` (`None` where it reports no
+    /// entry), without encoding a row: what the conditional removals compare stamps with.
+    fn current_version(&self, key: L1Key) -> Option<u64> {
+        self.inspect(key, false).map(|r| r.version)
+    }
+
+    /// `key` as the write-back controller sees it; `encode == false` leaves `dirty` empty but
+    /// keeps every check that decides whether the entry is there for it at all (a dirty entry
+    /// whose engine or partition has no durable id yet is not).
+    fn inspect(&self, key: L1Key, encode: bool) -> Option<Resident<L1Key>> {
         let t = self.tiers.as_deref()?;
         let changes = self.changes.as_deref();
         match key {
             L1Key::Block(k) => {
                 let b = self.table.blocks.get(k)?;
-                let dense = self.table.dense.get(&k).map_or(0, |d| d.heap_bytes());
+                let dense = self.table.dense.get(k).map_or(0, |d| d.heap_bytes());
                 let bytes = BLOCK_ENTRY_BYTES + (b.holders.heap_bytes() + dense) as u64;
                 let dirty = match changes.and_then(|c| c.blocks.get(&k)) {
                     None => None,
+                    Some(&pid) if !encode => {
+                        self.durable.partition(pid)?;
+                        let holders = b.holders.as_slice();
+                        if !holders
+                            .iter()
+                            .all(|h| self.durable.engine(h.engine()).is_some())
+                        {
+                            return None;
+                        }
+                        None
+                    }
                     Some(&pid) => {
                         let part = self.durable.partition(pid)?;
                         let holders = b
@@ -539,7 +564,7 @@ impl Shard {
                             .as_slice()
                             .iter()
                             .map(|h| Some((self.durable.engine(h.engine())?, h.tier())))
-                            .collect::<Option<Vec<_>>>()?;
+                            .collect::<Option<SmallVec<[_; 16]>>>()?;
                         Some(t.l2.block_row(t.shard, k, part, &holders))
                     }
                 };
@@ -558,6 +583,11 @@ impl Shard {
                 let e = self.engines[engine as usize].part(partition)?.get(hash)?;
                 let dirty = match changes {
                     Some(c) if c.cleared.contains(&(engine, partition)) => return None,
+                    Some(c) if !encode && c.maps.contains(&(engine, partition, hash)) => {
+                        self.durable.engine(engine)?;
+                        self.durable.partition(partition)?;
+                        None
+                    }
                     Some(c) if c.maps.contains(&(engine, partition, hash)) => {
                         let (de, dp) = (
                             self.durable.engine(engine)?,
@@ -670,7 +700,7 @@ impl Shard {
     }
 
     fn evict_one(&mut self, v: &Stamp<L1Key>) -> Option<u64> {
-        let now = self.resident(v.key)?;
+        let now = self.inspect(v.key, false)?;
         if now.version != v.version {
             return None;
         }
@@ -679,7 +709,7 @@ impl Shard {
                 let slot = self.table.blocks.slot(k)?;
                 let b = self.table.blocks.remove_slot(slot);
                 self.table.heap_bytes -= b.holders.heap_bytes();
-                if let Some(d) = self.table.dense.remove(&k) {
+                if let Some(d) = self.table.dense.remove(k) {
                     self.table.heap_bytes -= d.heap_bytes();
                 }
                 if let Some(c) = self.changes.as_deref_mut() {
@@ -745,7 +775,7 @@ impl Shard {
     pub fn mark_clean_if_unchanged(&mut self, written: &[Stamp<L1Key>]) -> usize {
         let mut marked = 0;
         for w in written {
-            if self.resident(w.key).is_none_or(|r| r.version != w.version) {
+            if self.current_version(w.key) != Some(w.version) {
                 continue;
             }
             let Some(c) = self.changes.as_deref_mut() else {
