@@ -671,6 +671,9 @@ impl Shard {
 
         // Oldest first: the largest age by the wrapping clock.
         sample.sort_unstable_by_key(|c| std::cmp::Reverse(now.wrapping_sub(c.used)));
+        for c in sample.iter().take(max) {
+            self.prefetch_entry(c.key);
+        }
         sample
             .into_iter()
             .filter_map(|c| self.resident(c.key))
@@ -682,6 +685,11 @@ impl Shard {
     /// controller wrote its row first, or discards it with `write_back_on_evict = false`).
     pub fn evict_if_unchanged(&mut self, victims: &[Stamp<L1Key>]) -> Removal {
         let mut r = Removal::default();
+        // The victims were last touched before their batch went to RocksDB, so their slots
+        // are likely out of cache by now: start every load before the first is needed.
+        for v in victims {
+            self.prefetch_entry(v.key);
+        }
         for v in victims {
             match self.evict_one(v) {
                 Some(bytes) => {
@@ -697,6 +705,28 @@ impl Shard {
             t.spilled = true;
         }
         r
+    }
+
+    /// Starts loading the table slots [`Shard::inspect`] reads for `key` (a block's slot and
+    /// bitset slot; a map entry's slot).
+    #[inline]
+    fn prefetch_entry(&self, key: L1Key) {
+        match key {
+            L1Key::Block(k) => self.table.prefetch(k),
+            L1Key::Map {
+                engine,
+                partition,
+                hash,
+            } => {
+                if let Some(map) = self
+                    .engines
+                    .get(engine as usize)
+                    .and_then(|e| e.part(partition))
+                {
+                    map.prefetch(hash);
+                }
+            }
+        }
     }
 
     fn evict_one(&mut self, v: &Stamp<L1Key>) -> Option<u64> {
