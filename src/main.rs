@@ -6,7 +6,7 @@ use clap::{Parser, Subcommand};
 
 /// mimalloc instead of glibc's malloc: under `kvindex bench http` the server spent ~9% of its
 /// CPU in glibc's malloc and free (each lookup allocates and frees buffers the size of its
-/// body), and with mimalloc its CPU per lookup was ~0.84× (BENCHMARKS.md, paired runs).
+/// body), and with mimalloc its CPU per lookup was ~0.86× (BENCHMARKS.md, paired runs).
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

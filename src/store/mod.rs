@@ -177,13 +177,14 @@ impl Store {
         db_opts.set_db_write_buffer_size(MEMTABLE_BYTES);
         // Concurrent writers (one per shard) insert into the memtables without waiting for
         // each other's inserts to be published in sequence order: write-back of two shards at
-        // once went from a median of 0.77 to 1.05 M entries/s (BENCHMARKS.md). What it relaxes
-        // is only snapshot immutability (a snapshot, iterator or MultiGet may later see a write
-        // with a lower sequence number land). Nothing here relies on it: readers do point reads
-        // of single keys, and only of entries that left L1, which they do only after the write
-        // holding their value has returned; a shard's keys are written only by its own worker,
-        // which is also where its iterators run (or at load, with no writer); and the WAL still
-        // recovers whole batches only, so offsets and rows stay atomic across a crash.
+        // once went from medians of 0.71-0.84 to 0.89-1.13 M entries/s (4 pairs, BENCHMARKS.md).
+        // What it relaxes is only snapshot immutability (a snapshot, iterator or MultiGet may
+        // later see a write with a lower sequence number land). Nothing here relies on it: a
+        // key is still seen either before or after a write, and only once the write is in the
+        // WAL; lookups read single keys, and only of entries that left L1, which they do only
+        // after the write holding their value returned; a shard's index rows are written only
+        // by its own worker, which is also where its scans run (or at load, with no writer);
+        // and the WAL still recovers whole batches, so offsets and rows stay atomic in a crash.
         db_opts.set_unordered_write(true);
         let cache = Cache::new_lru_cache(BLOCK_CACHE_BYTES);
         let cfs = [
