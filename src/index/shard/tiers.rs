@@ -583,17 +583,12 @@ impl Shard {
                 let e = self.engines[engine as usize].part(partition)?.get(hash)?;
                 let dirty = match changes {
                     Some(c) if c.cleared.contains(&(engine, partition)) => return None,
-                    Some(c) if !encode && c.maps.contains(&(engine, partition, hash)) => {
-                        self.durable.engine(engine)?;
-                        self.durable.partition(partition)?;
-                        None
-                    }
                     Some(c) if c.maps.contains(&(engine, partition, hash)) => {
                         let (de, dp) = (
                             self.durable.engine(engine)?,
                             self.durable.partition(partition)?,
                         );
-                        Some(t.l2.map_row(t.shard, de, dp, hash, e.block))
+                        encode.then(|| t.l2.map_row(t.shard, de, dp, hash, e.block))
                     }
                     _ => None,
                 };
