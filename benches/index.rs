@@ -127,6 +127,9 @@ fn bench_lookup(c: &mut Criterion) {
     g.bench_function("lookup_keys_128_blocks_1000_engines_named_sorted", |b| {
         b.iter(|| black_box(index.lookup_keys(black_box(&keys))))
     });
+    g.bench_function("lookup_keys_128_blocks_1000_engines_best_8", |b| {
+        b.iter(|| black_box(index.lookup_keys_limited(black_box(&keys), 8)))
+    });
     g.bench_function("tokens_128_blocks_1000_engines", |b| {
         b.iter(|| black_box(index.lookup(&partition, &q)))
     });

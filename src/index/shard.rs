@@ -298,6 +298,19 @@ impl Bits {
         }
     }
 
+    /// Whether at least `n` engines are set (counting stops there).
+    #[inline]
+    fn holds_at_least(&self, n: usize) -> bool {
+        let mut count = 0;
+        for w in &self.held {
+            count += w.count_ones() as usize;
+            if count >= n {
+                return true;
+            }
+        }
+        false
+    }
+
     /// Loads block 0's holders as the active set.
     fn load(&mut self, holders: &Holders, dense: Option<&DenseBits>) {
         match dense {
@@ -797,8 +810,8 @@ impl Shard {
     /// a whole fleet costs a sort of the rows returned, not of every engine that matched.
     pub fn lookup_sorted(&self, keys: &[u64], out: &mut Vec<RawMatch>, limit: usize) {
         let start = out.len();
-        self.lookup(keys, out);
-        // `lookup` emits rows grouped by `matched` ascending: reversing the whole run puts the
+        self.lookup_best(keys, out, limit);
+        // `lookup_best` emits rows grouped by `matched` ascending: reversing the whole run puts the
         // groups in descending order, then each (small) group is ordered by name rank.
         let rows = &mut out[start..];
         rows.reverse();
@@ -827,6 +840,15 @@ impl Shard {
     /// For each engine holding `keys[0]`: the longest run of leading `keys` it holds. Rows are
     /// appended to `out` in ascending `matched` order.
     pub fn lookup(&self, keys: &[u64], out: &mut Vec<RawMatch>) {
+        self.lookup_best(keys, out, usize::MAX);
+    }
+
+    /// [`Shard::lookup`], leaving out rows that cannot be among the best `limit`: an engine
+    /// that drops out at block `i` while at least `limit` others still hold block `i` is
+    /// beaten by each of them (they match more blocks), so its row is never emitted. A router
+    /// asking for the best few of a large fleet then pays for the rows near the end of the
+    /// match, not for one row per engine holding the first block.
+    fn lookup_best(&self, keys: &[u64], out: &mut Vec<RawMatch>, limit: usize) {
         let Some((&first, _)) = keys.split_first() else {
             return;
         };
@@ -855,7 +877,9 @@ impl Shard {
                 };
                 next.reset(words);
                 let any = next.intersect(active, h, self.dense_of(*key, h));
-                emit(active, Some(next), i as u32, out);
+                if limit == usize::MAX || !next.holds_at_least(limit) {
+                    emit(active, Some(next), i as u32, out);
+                }
                 if !any {
                     return;
                 }
