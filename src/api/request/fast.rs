@@ -174,7 +174,7 @@ impl<'a> Scanner<'a> {
             | ((w.wrapping_add(0x0606_0606_0606_0606) & HIGH_NIBBLES) ^ ZEROS);
         let digits = (not_digit.trailing_zeros() / 8) as usize; // 8 when all eight are digits
         if digits == 0 || digits == 8 || (digits > 1 && word[0] == b'0') {
-            return self.uint(); // it words these (or reads on past 8 digits)
+            return self.uint(); // it reads or rejects these (and reads on past 8 digits)
         }
         // Digit values into the top `digits` bytes (a borrow from a non-digit only reaches
         // the bytes after it, which the shift drops); the zero bytes below are leading zeros.
