@@ -7,7 +7,7 @@
 //! pseudo-random token ids to show the decoders do not depend on that.
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use kvindex::event::detect::DecodeOptions;
+use kvindex::event::decode::DecodeSettings;
 use kvindex::event::{
     BlockContent, EngineHash, Envelope, Event, EventKind, PartitionKey, decode_payload, encode,
 };
@@ -43,19 +43,19 @@ fn typical_stored(i: u64) -> Event {
 fn random_stored(i: u64) -> Event {
     let mut ev = typical_stored(i);
     if let BlockContent::Tokens { token_ids, .. } = &mut ev.content {
-        *token_ids = kvindex::produce::Rng::new(i).tokens(token_ids.len());
+        *token_ids = kvindex::sim::Rng::new(i).tokens(token_ids.len());
     }
     ev
 }
 
 fn bench_decode(c: &mut Criterion) {
-    let opts = DecodeOptions {
-        vllm: kvindex::event::VllmOptions {
+    let opts = DecodeSettings {
+        vllm: kvindex::event::VllmSettings {
             model: Some("llama-3-8b".into()),
             tenant: "acme".into(),
             ..Default::default()
         },
-        ..DecodeOptions::default()
+        ..DecodeSettings::default()
     };
     let env = Envelope {
         engine: Some("vllm-0"),
@@ -119,7 +119,7 @@ fn bench_lookup_body(c: &mut Criterion) {
     const TOKENS: usize = 2_250;
     let bodies: Vec<Vec<u8>> = (0..16)
         .map(|i| {
-            let tokens = kvindex::produce::Rng::new(i).tokens(TOKENS);
+            let tokens = kvindex::sim::Rng::new(i).tokens(TOKENS);
             serde_json::to_vec(&serde_json::json!({
                 "model": "llama-3-8b", "tenant": "acme", "adapter": "", "token_ids": tokens,
                 "limit": 8,

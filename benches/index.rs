@@ -5,7 +5,7 @@
 
 use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
 use kvindex::event::{BlockContent, EngineHash, Event, EventKind, PartitionKey, Tier};
-use kvindex::index::{Index, IndexConfig, Shard, hash};
+use kvindex::index::{Index, IndexSettings, Shard, hash};
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
@@ -81,7 +81,7 @@ fn bench_apply(c: &mut Criterion) {
 
 /// 1,000 engines each holding a random-length prefix (1..=128 blocks) of one 128-block prompt.
 fn lookup_index() -> (Index, PartitionKey, Vec<u32>) {
-    let index = Index::new(IndexConfig { shards: 1, seed: 1 });
+    let index = Index::new(IndexSettings { shards: 1, seed: 1 });
     let mut rng = Rng(7);
     for e in 0..1000 {
         let len = 1 + (rng.next() % CHAIN as u64) as u32;
@@ -153,7 +153,7 @@ fn bench_memory(_c: &mut Criterion) {
         Some(s.split_whitespace().nth(1)?.parse::<u64>().ok()? * 4096)
     };
     let before = rss().unwrap_or(0);
-    let index = Index::new(IndexConfig { shards: 1, seed: 1 });
+    let index = Index::new(IndexSettings { shards: 1, seed: 1 });
     let target = 10_000_000u64;
     let mut rng = Rng(3);
     let mut stored = 0u64;

@@ -13,13 +13,11 @@
 use criterion::measurement::WallTime;
 use criterion::{Criterion, criterion_group, criterion_main};
 use kvindex::event::{BlockContent, EngineHash, Event, EventKind, PartitionKey, Tier};
-use kvindex::index::shard::{BLOCK_ENTRY_BYTES, TierSettings, TierStats};
-use kvindex::index::{Index, IndexConfig, hash};
-use kvindex::produce::Rng;
-use kvindex::store::{Store, StoreOptions, StoreSink};
-use kvindex::writeback::{
-    CircuitBreaker, L1Tier, ShardL1, SystemClock, WritebackController, WritebackSettings,
-};
+use kvindex::index::shard::{BLOCK_ENTRY_BYTES, ReadThroughSettings, ReadThroughStats};
+use kvindex::index::{Index, IndexSettings, ShardL1, hash};
+use kvindex::sim::Rng;
+use kvindex::spill::{CircuitBreaker, SpillController, SpillL1, SpillSettings, SystemClock};
+use kvindex::store::{Store, StoreSettings, StoreSink};
 use std::hint::black_box;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -57,13 +55,13 @@ fn chain_event(e: u64, family: u64) -> Event {
 
 /// A store holding ~`STORES` chains over `ENGINES` engines; returns it and the families stored.
 fn build_store(dir: &std::path::Path) -> (Arc<Store>, Vec<u64>) {
-    let opts = StoreOptions {
+    let opts = StoreSettings {
         shards: 1,
         seed: SEED,
         sync: false,
     };
     let store = Arc::new(Store::open(dir, &opts).expect("open store"));
-    let index = Index::new(IndexConfig {
+    let index = Index::new(IndexSettings {
         shards: 1,
         seed: SEED,
     });
@@ -89,7 +87,7 @@ fn build_store(dir: &std::path::Path) -> (Arc<Store>, Vec<u64>) {
 
 /// An index over `store` whose L1 holds at most `fraction` of the blocks.
 fn tiered(store: &Arc<Store>, fraction: Option<f64>) -> Index {
-    let index = Index::new(IndexConfig {
+    let index = Index::new(IndexSettings {
         shards: 1,
         seed: SEED,
     });
@@ -108,13 +106,13 @@ fn tiered(store: &Arc<Store>, fraction: Option<f64>) -> Index {
                 .expect("load")
         }
     };
-    shard.enable_tiers(
+    shard.attach_l2(
         store.clone(),
         0,
-        TierSettings {
+        ReadThroughSettings {
             restore_on_read: false,
         },
-        Arc::new(TierStats::default()),
+        Arc::new(ReadThroughStats::default()),
         stats.left_in_l2 > 0,
     );
     shard.enable_change_tracking();
@@ -229,22 +227,22 @@ fn dirty_shards(
     stores: usize,
     seed: u64,
 ) -> (Arc<Index>, Arc<Store>) {
-    let opts = StoreOptions {
+    let opts = StoreSettings {
         shards,
         seed: SEED,
         sync: false,
     };
     let store = Arc::new(Store::open(dir, &opts).expect("open store"));
-    let index = Arc::new(Index::new(IndexConfig { shards, seed: SEED }));
+    let index = Arc::new(Index::new(IndexSettings { shards, seed: SEED }));
     for s in 0..shards {
         let mut shard = index.shard(s).write();
-        shard.enable_tiers(
+        shard.attach_l2(
             store.clone(),
             s as u16,
-            TierSettings {
+            ReadThroughSettings {
                 restore_on_read: false,
             },
-            Arc::new(TierStats::default()),
+            Arc::new(ReadThroughStats::default()),
             false,
         );
         shard.enable_change_tracking();
@@ -282,10 +280,10 @@ fn dirty_shards(
 fn evict_to_ten_percent(index: &Arc<Index>, store: &Arc<Store>, shard: usize) -> usize {
     let l1 = ShardL1::new(index.clone(), shard);
     let used = l1.bytes_used();
-    let mut settings = WritebackSettings::for_budget(used * 10 / 9);
+    let mut settings = SpillSettings::for_budget(used * 10 / 9);
     settings.low_watermark = 0.1;
     settings.high_watermark = 0.5;
-    let mut ctl = WritebackController::new(
+    let mut ctl = SpillController::new(
         l1,
         StoreSink::new(store.clone()),
         Arc::new(CircuitBreaker::new(Arc::new(SystemClock))),

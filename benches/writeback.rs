@@ -1,7 +1,7 @@
-//! Write-back throughput into RocksDB in 128-key batches (issue 4 target: ≥ 1 M entries/s).
+//! Write-back throughput into the store in 128-key batches (target: ≥ 1 M entries/s).
 //!
-//! - `sink_128`: the L2 side alone: [`RocksSink::write_batch`] of 128 rows (24-byte keys, like
-//!   a shard's block rows, and 48-byte values) per call, WAL on, no fsync (the store's default).
+//! - `sink_128`: the L2 side alone: the store's [`StoreSink::write_batch`] of 128 rows (block
+//!   rows with 24-byte keys and 48-byte values) per call, WAL on, no fsync (the default).
 //! - `evict_pass`: the whole controller: an eviction pass over a [`MemL1`] holding 64 k dirty
 //!   entries with a budget that sends 3/4 of them to L2. `MemL1` is a test double (two
 //!   B-trees behind a mutex), so this is a lower bound for a real shard's L1.
@@ -10,18 +10,33 @@
 //! memtable and flushes, as in production.
 
 use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
-use kvindex::writeback::{
-    CircuitBreaker, L1Tier, L2Row, L2Sink, MemL1, RocksSink, RocksSinkOptions, SystemClock,
-    WritebackController, WritebackSettings,
+use kvindex::spill::testing::MemL1;
+use kvindex::spill::{
+    CircuitBreaker, L2Row, L2Sink, SpillController, SpillL1, SpillSettings, SystemClock,
 };
+use kvindex::store::{ROW_BLOCKS, Store, StoreSettings, StoreSink};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const BATCH: usize = 128;
 const VALUE: [u8; 48] = [0x5a; 48];
 
+/// A fresh store in `dir`, as the controller's L2.
+fn l2(dir: &std::path::Path) -> StoreSink {
+    let settings = StoreSettings {
+        shards: 1,
+        seed: 0,
+        sync: false,
+    };
+    StoreSink::new(Arc::new(
+        Store::open(dir, &settings).expect("open the store"),
+    ))
+}
+
+/// A block row's key (its kind in the first byte, then 24 bytes).
 fn key(i: u64) -> Vec<u8> {
-    let mut k = Vec::with_capacity(24);
+    let mut k = Vec::with_capacity(25);
+    k.push(ROW_BLOCKS);
     k.extend_from_slice(&0u16.to_be_bytes());
     k.extend_from_slice(&7u32.to_be_bytes());
     k.extend_from_slice(&i.wrapping_mul(0x9E37_79B9_7F4A_7C15).to_be_bytes());
@@ -31,7 +46,7 @@ fn key(i: u64) -> Vec<u8> {
 
 fn bench_sink(c: &mut Criterion) {
     let dir = tempfile::tempdir().expect("tempdir");
-    let sink = RocksSink::open(dir.path(), &RocksSinkOptions::default()).expect("open");
+    let sink = l2(dir.path());
     let mut next = 0u64;
     let mut g = c.benchmark_group("writeback");
     g.throughput(Throughput::Elements(BATCH as u64));
@@ -57,7 +72,7 @@ fn bench_sink(c: &mut Criterion) {
 fn bench_evict(c: &mut Criterion) {
     const ENTRIES: u64 = 65_536;
     let dir = tempfile::tempdir().expect("tempdir");
-    let sink = Arc::new(RocksSink::open(dir.path(), &RocksSinkOptions::default()).expect("open"));
+    let sink = Arc::new(l2(dir.path()));
     let breaker = Arc::new(CircuitBreaker::new(Arc::new(SystemClock)));
     let probe = MemL1::new();
     for i in 0..ENTRIES {
@@ -79,11 +94,11 @@ fn bench_evict(c: &mut Criterion) {
                 for i in 0..ENTRIES {
                     l1.put(&key(round * ENTRIES + i), &VALUE);
                 }
-                WritebackController::new(
+                SpillController::new(
                     l1,
                     sink.clone(),
                     breaker.clone(),
-                    WritebackSettings::for_budget(budget),
+                    SpillSettings::for_budget(budget),
                 )
             },
             |mut ctl| {

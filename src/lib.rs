@@ -1,27 +1,34 @@
 //! kvindex: an exact, durable, always-warm index of where LLM KV-cache blocks live, so a router
 //! can send each request to the engine that already holds the longest prefix of it.
 //!
-//! Data flows one way: a [`source`] delivers payloads with their offsets, [`ingest`] runs the
-//! source and hands batches to the [`pipeline`], which decodes them ([`event`]), routes each
-//! event to its [`index`] shard and applies it there, skipping offsets already applied; each
-//! shard commits its changes with its offsets to the RocksDB [`store`] in one batch, and
-//! [`checkpoint`] tracks what is applied and durable per source partition. [`service`]
-//! assembles all of it from a [`config`] (warm-loading the index from disk first), and [`api`]
-//! answers lookups over HTTP. [`metrics`] holds the counters, [`produce`] a synthetic engine
-//! fleet, [`replay`] the trace-replay benchmark. [`writeback`] is the bounded-L1 write-back
-//! machinery (breaker, L2 sink, controller), tested on its own and not yet wired into the shards.
+//! `ARCHITECTURE.md` is the map; each module's doc comment is its detailed design. In the order
+//! an event flows:
+//!
+//! - [`source`]: Kafka (and the embedded broker) and NATS: payloads in, with their positions;
+//!   publishers out; the engine contract of each transport;
+//! - [`ingest`]: the loop that drives the source and reports its status;
+//! - [`event`]: the event contract and its decoders (protobuf, JSON, vLLM msgpack);
+//! - [`pipeline`]: decode, route to shards, apply on shard workers, commit with offsets;
+//! - [`index`]: the in-memory shards (L1) and the longest-prefix lookup;
+//! - [`spill`]: the bounded L1's rules and the seam to its RocksDB L2;
+//! - [`store`]: every RocksDB call: checkpoint commits, offsets, warm reload, L2 rows;
+//! - [`service`]: assembly from a [`config`], warm start, clean stop;
+//! - [`api`]: the HTTP read API; [`metrics`]: counters and the Prometheus text.
+//!
+//! Tools beside the data path: [`sim`] (a synthetic engine fleet), [`bench`] (benchmark
+//! machinery), [`util`] (backoff, rate-limited logs, time).
 
 pub mod api;
-pub mod checkpoint;
+pub mod bench;
 pub mod config;
 pub mod event;
 pub mod index;
 pub mod ingest;
 pub mod metrics;
 pub mod pipeline;
-pub mod produce;
-pub mod replay;
 pub mod service;
+pub mod sim;
 pub mod source;
+pub mod spill;
 pub mod store;
-pub mod writeback;
+pub mod util;

@@ -34,7 +34,7 @@ enum Command {
     /// Run the service with a simulated engine fleet feeding it, and print curl commands to try.
     Demo(cli::serve::DemoArgs),
     /// Rebuild an index from a Kafka topic or NATS stream into an empty data dir.
-    Replay(cli::replay::ReplayArgs),
+    Replay(cli::rebuild::ReplayArgs),
     /// Generate synthetic engine-fleet events in any encoding, to a file or a broker.
     Produce(cli::produce::ProduceArgs),
     /// Benchmarks.
@@ -76,7 +76,7 @@ fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Serve(args) => runtime()?.block_on(cli::serve::serve(args)),
         Command::Demo(args) => runtime()?.block_on(cli::serve::demo(args)),
-        Command::Replay(args) => runtime()?.block_on(cli::replay::replay(args)),
+        Command::Replay(args) => runtime()?.block_on(cli::rebuild::replay(args)),
         Command::Produce(args) => runtime()?.block_on(cli::produce::produce(args)),
         Command::Bench(BenchCommand::Replay(args)) => cli::bench::replay(args),
         Command::Bench(BenchCommand::Restart(args)) => cli::bench_restart::restart(args),

@@ -1,6 +1,6 @@
 //! The running service, assembled from a [`Config`]: the durable store, the index warm-loaded
 //! from it, the apply pipeline, and the source feeding it. `kvindex serve`, `demo` and
-//! `replay` all start here; the HTTP API is put on top by the binary.
+//! `replay` all start here; the HTTP API is put on top by the binary (`cli/serve.rs`).
 //!
 //! Start order matters for warm restarts:
 //! 1. open RocksDB (`<data_dir>/index`), checking shard count and seed;
@@ -9,18 +9,18 @@
 //!    answered from durable state at once, however long the topic's history is;
 //! 4. start the shard workers, then the source, which resumes from the stored offsets.
 
-use crate::api::AppState;
-use crate::checkpoint::Progress;
 use crate::config::{Config, SourceKind};
+use crate::event::DecodeSettings;
 use crate::index::Index;
-use crate::ingest::{Ingest, IngestContext, SourceReport, SourceSpec};
+use crate::index::IndexSettings;
+use crate::ingest::{Ingest, IngestContext, SourceReport};
 use crate::metrics::Metrics;
-use crate::pipeline::{CommitPolicy, Pipeline};
+use crate::pipeline::{CommitSettings, Pipeline, Progress, Spill};
 use crate::source::{
-    Checkpoints, EmbeddedBroker, KafkaSettings, SourceError, embedded, nats::NatsSettings,
+    Checkpoints, EmbeddedBroker, KafkaSettings, NatsSettings, SourceError, SourceSpec, kafka,
 };
-use crate::store::{LoadStats, Store, StoreError, StoreOptions};
-use crate::writeback::{Clock, SystemClock, Tiering};
+use crate::spill::{Clock, SystemClock};
+use crate::store::{LoadStats, Store, StoreError, StoreSettings};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
@@ -41,7 +41,7 @@ pub enum ServiceError {
 
 /// Options that come from the command line rather than the config file.
 #[derive(Clone, Debug, Default)]
-pub struct StartOptions {
+pub struct StartSettings {
     /// Abandon a diverged checkpoint and restart the partition from the configured start.
     pub reset_on_divergence: bool,
 }
@@ -55,7 +55,7 @@ pub struct Service {
     pub store: Arc<Store>,
     pub pipeline: Arc<Pipeline>,
     /// The bounded L1's write-back to the store.
-    pub tiering: Arc<Tiering>,
+    pub spill: Arc<Spill>,
     pub ready: Arc<AtomicBool>,
     /// What was loaded from disk at start, and how long it took.
     pub loaded: LoadStats,
@@ -73,8 +73,8 @@ fn open_store(config: &Config) -> Result<Store, ServiceError> {
     let dir = store_dir(config);
     std::fs::create_dir_all(&dir)
         .map_err(|e| std::io::Error::new(e.kind(), format!("creating {}: {e}", dir.display())))?;
-    let mut opts = StoreOptions {
-        shards: config.index_config().shards,
+    let mut opts = StoreSettings {
+        shards: IndexSettings::from(&config.index).shards,
         seed: config.index.seed,
         sync: false,
     };
@@ -92,12 +92,21 @@ impl Service {
     /// Opens the store and loads the index from it (steps 1–3 above). `forget_source` names a
     /// source whose stored offsets are dropped first (the embedded broker's).
     pub fn open(config: Config, forget_source: Option<&str>) -> Result<Service, ServiceError> {
-        Service::open_with_clock(config, forget_source, Arc::new(SystemClock))
+        Service::open_on(config, forget_source, Arc::new(SystemClock))
     }
 
     /// [`Service::open`] with the clock of the L2 circuit breaker and flush schedule given
-    /// (tests skip through the breaker's pauses with a [`crate::writeback::ManualClock`]).
+    /// (tests skip through the breaker's pauses with a manual clock; `testing` builds only).
+    #[cfg(any(test, feature = "testing"))]
     pub fn open_with_clock(
+        config: Config,
+        forget_source: Option<&str>,
+        clock: Arc<dyn Clock>,
+    ) -> Result<Service, ServiceError> {
+        Service::open_on(config, forget_source, clock)
+    }
+
+    fn open_on(
         config: Config,
         forget_source: Option<&str>,
         clock: Arc<dyn Clock>,
@@ -114,11 +123,11 @@ impl Service {
                 );
             }
         }
-        let mut index_config = config.index_config();
+        let mut index_config = IndexSettings::from(&config.index);
         index_config.shards = store.shards() as usize;
         let index = Arc::new(Index::new(index_config));
-        let tiering = Arc::new(Tiering::new(&config, index.clone(), store.clone(), clock));
-        let loaded = load(&store, &index, &tiering)?;
+        let spill = Arc::new(Spill::new(&config, index.clone(), store.clone(), clock));
+        let loaded = load(&store, &index, &spill)?;
         let progress = Arc::new(Progress::new(index.shard_count()));
         for shard in 0..store.shards() {
             for (source, partition, next) in store.shard_offsets(shard)? {
@@ -126,17 +135,13 @@ impl Service {
             }
         }
         let metrics = Arc::new(Metrics::new());
-        let policy = CommitPolicy {
-            interval: Duration::from_millis(config.checkpoint.interval_ms),
-            max_events: config.checkpoint.max_events,
-        };
-        let pipeline = Arc::new(Pipeline::start_tiered(
+        let pipeline = Arc::new(Pipeline::start(
             index.clone(),
             metrics.clone(),
             store.clone(),
             progress,
-            policy,
-            &tiering,
+            CommitSettings::from(&config.checkpoint),
+            &spill,
         ));
         let load_time = started.elapsed();
         tracing::info!(
@@ -155,24 +160,11 @@ impl Service {
             metrics,
             store,
             pipeline,
-            tiering,
+            spill,
             ready: Arc::new(AtomicBool::new(false)),
             loaded,
             load_time,
         })
-    }
-
-    /// The HTTP API's state over this service (sources section and readiness from `report`).
-    pub fn app_state(&self, report: Option<Arc<SourceReport>>) -> AppState {
-        let mut state = AppState::new(self.index.clone(), self.metrics.clone());
-        state.ready = self.ready.clone();
-        state.default_block_size = self.config.index.default_block_size;
-        state.max_body_bytes = self.config.http.max_body_bytes;
-        state.writeback = Some(self.tiering.clone());
-        if let Some(report) = report {
-            state.sources = Arc::new(move || report.to_json());
-        }
-        state
     }
 
     /// Starts the ingest loop for `spec`, resuming from the store's offsets.
@@ -202,7 +194,7 @@ impl Service {
                 pipeline: self.pipeline.clone(),
                 checkpoints,
                 metrics: self.metrics.clone(),
-                decode: self.config.decode_options(),
+                decode: DecodeSettings::from(&self.config.source),
                 report: report.clone(),
                 ready: self.ready.clone(),
             },
@@ -231,15 +223,15 @@ impl Drop for Service {
 
 /// Loads every shard from the store in parallel, each up to its share of the L1 budget, puts
 /// the store behind it as L2, then turns change tracking on.
-fn load(store: &Store, index: &Index, tiering: &Tiering) -> Result<LoadStats, StoreError> {
-    let budget = tiering.load_budget();
+fn load(store: &Store, index: &Index, spill: &Spill) -> Result<LoadStats, StoreError> {
+    let budget = spill.load_budget();
     let results: Vec<Result<LoadStats, StoreError>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..index.shard_count())
             .map(|shard| {
                 s.spawn(move || {
                     let mut guard = index.shard(shard).write();
                     let stats = store.load_shard_bounded(shard as u16, &mut guard, budget)?;
-                    tiering.attach(&mut guard, shard, stats.left_in_l2 > 0);
+                    spill.attach(&mut guard, shard, stats.left_in_l2 > 0);
                     guard.enable_change_tracking();
                     Ok(stats)
                 })
@@ -279,12 +271,12 @@ pub struct SourceSetup {
 
 impl SourceSetup {
     /// Builds the source of `config`, starting the embedded broker if that is the kind.
-    pub fn from_config(config: &Config, opts: &StartOptions) -> Result<SourceSetup, ServiceError> {
+    pub fn from_config(config: &Config, opts: &StartSettings) -> Result<SourceSetup, ServiceError> {
         Ok(match config.source.kind {
             SourceKind::Embedded => {
                 let topic = &config.source.kafka.topic;
-                let broker = EmbeddedBroker::start(topic, embedded::DEFAULT_PARTITIONS)?;
-                let mut settings = KafkaSettings::from_config(config)?;
+                let broker = EmbeddedBroker::start(topic, kafka::DEFAULT_PARTITIONS)?;
+                let mut settings = KafkaSettings::try_from(&config.source.kafka)?;
                 settings.brokers = broker.bootstrap_servers();
                 settings.group_id = None;
                 settings.partitions = Some((0..broker.partitions()).collect());
@@ -299,7 +291,7 @@ impl SourceSetup {
                 }
             }
             SourceKind::Kafka => {
-                let mut settings = KafkaSettings::from_config(config)?;
+                let mut settings = KafkaSettings::try_from(&config.source.kafka)?;
                 settings.reset_on_divergence = opts.reset_on_divergence;
                 SourceSetup {
                     spec: SourceSpec::Kafka {
@@ -310,7 +302,7 @@ impl SourceSetup {
                 }
             }
             SourceKind::Nats => {
-                let mut settings = NatsSettings::from_config(&config.source.nats);
+                let mut settings = NatsSettings::from(&config.source.nats);
                 settings.reset_on_divergence = opts.reset_on_divergence;
                 SourceSetup {
                     spec: SourceSpec::Nats(settings),

@@ -8,7 +8,8 @@ use axum::http::{HeaderMap, Request, StatusCode, header};
 use http_body_util::BodyExt;
 use kvindex::api::{self, AppState, ROUTES};
 use kvindex::event::{BlockContent, EngineHash, Event, EventKind, PartitionKey, Tier};
-use kvindex::index::{Index, IndexConfig};
+use kvindex::index::{Index, IndexSettings};
+use kvindex::ingest::SourceStatus;
 use kvindex::metrics::Metrics;
 use serde_json::{Value, json};
 use std::collections::BTreeSet;
@@ -57,7 +58,7 @@ fn llama(adapter: &str) -> PartitionKey {
 
 /// The fixture index (see the module docs of each case below for what each engine is for).
 fn fixture() -> (AppState, Arc<AtomicBool>) {
-    let index = Index::new(IndexConfig { shards: 2, seed: 1 });
+    let index = Index::new(IndexSettings { shards: 2, seed: 1 });
     let events = [
         // Base-model chains: prefixes of 3, 2, 2 and 1 blocks, on different tiers.
         stored_tokens("engine-a", llama(""), 3, Tier::Gpu),
@@ -94,7 +95,12 @@ fn fixture() -> (AppState, Arc<AtomicBool>) {
     let mut state = AppState::new(Arc::new(index), Arc::new(Metrics::new()));
     state.ready = ready.clone();
     state.max_body_bytes = 4096;
-    state.sources = Arc::new(|| json!({"lag": {"kafka": 12}, "kafka": {"partitions": 3}}));
+    state.sources = Some(Arc::new(SourceStatus {
+        kind: "kafka".into(),
+        name: "kafka:kv-events".into(),
+        lag: 12,
+        ..SourceStatus::default()
+    }));
     (state, ready)
 }
 
@@ -614,17 +620,16 @@ async fn engines_stats_and_probes() {
         })
     );
     assert_eq!(v["lookups"], json!({"total": 1, "errors": 1}));
-    assert_eq!(
-        v["sources"],
-        json!({"lag": {"kafka": 12}, "kafka": {"partitions": 3}})
-    );
+    assert_eq!(v["sources"]["lag"], 12);
+    assert_eq!(v["sources"]["name"], "kafka:kv-events");
+    assert_eq!(v["sources"]["partitions"], json!([]));
 
     let (status, v) = call_json(&app, "GET", "/healthz", None).await;
     assert_eq!((status, v), (StatusCode::OK, json!({"status": "ok"})));
     let (status, v) = call_json(&app, "GET", "/readyz", None).await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(v["ready"], false);
-    assert_eq!(v["lag"], json!({"kafka": 12}));
+    assert_eq!(v["lag"], 12);
     assert!(v["reason"].is_string());
     ready.store(true, Ordering::Release);
     let (status, v) = call_json(&app, "GET", "/readyz", None).await;

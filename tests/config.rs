@@ -1,9 +1,9 @@
 //! The configuration contract: key names, precedence, and errors that name their field.
 
-use kvindex::config::{
-    Config, ConfigError, Overrides, SourceKind, StartPosition, parse_rfc3339_us,
-};
-use kvindex::event::Format;
+use kvindex::config::{Config, ConfigError, Overrides, SourceKind, StartPosition};
+use kvindex::event::{DecodeSettings, Format};
+use kvindex::index::IndexSettings;
+use kvindex::util::parse_rfc3339_us;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -90,13 +90,16 @@ fn defaults() {
     // An empty file too.
     assert_eq!(load_text("").expect("loads"), c);
 
-    let ic = c.index_config();
+    let ic = IndexSettings::from(&c.index);
     assert!(ic.shards >= 1, "shards 0 means the number of cores");
     assert_eq!(ic.seed, 0x6b76696e64657831);
-    let d = c.decode_options();
-    assert_eq!(d, kvindex::event::DecodeOptions::default());
-    assert_eq!(c.kafka_start().expect("valid"), StartPosition::Earliest);
-    assert_eq!(c.periodic_flush(), None);
+    let d = DecodeSettings::from(&c.source);
+    assert_eq!(d, kvindex::event::DecodeSettings::default());
+    assert_eq!(
+        c.source.kafka.start_position().expect("valid"),
+        StartPosition::Earliest
+    );
+    assert_eq!(c.writeback.periodic_flush(), None);
     assert_eq!(c.listen_addr().expect("valid").port(), 8080);
 }
 
@@ -160,7 +163,7 @@ max_events = 1
     assert_eq!(c.source.format, Format::Vllm);
     assert_eq!(c.source.kafka.start, "2025-01-31T12:00:00Z");
     assert_eq!(
-        c.kafka_start().expect("valid"),
+        c.source.kafka.start_position().expect("valid"),
         StartPosition::TimeUs(1_738_324_800_000_000)
     );
     assert_eq!(c.source.kafka.properties["security.protocol"], "SASL_SSL");
@@ -172,10 +175,13 @@ max_events = 1
     assert_eq!(c.index.shards, 4);
     assert_eq!(c.index.high_watermark, 1.0);
     assert_eq!(c.writeback.periodic_flush_interval, 30);
-    assert_eq!(c.periodic_flush(), Some(std::time::Duration::from_secs(30)));
-    let ic = c.index_config();
+    assert_eq!(
+        c.writeback.periodic_flush(),
+        Some(std::time::Duration::from_secs(30))
+    );
+    let ic = IndexSettings::from(&c.index);
     assert_eq!((ic.shards, ic.seed), (4, 7));
-    let d = c.decode_options();
+    let d = DecodeSettings::from(&c.source);
     assert_eq!(d.format, Format::Vllm);
     assert_eq!(d.max_payload_bytes, 1000);
     assert_eq!(d.vllm.model.as_deref(), Some("llama"));
@@ -475,7 +481,7 @@ fn writeback_edges_that_are_valid() {
     )
     .expect("valid");
     assert_eq!(
-        c.periodic_flush(),
+        c.writeback.periodic_flush(),
         Some(std::time::Duration::from_secs(31_536_000))
     );
     let msg = assert_names(
@@ -504,7 +510,7 @@ fn lora_names() {
     assert_eq!(c.source.vllm.lora_names.len(), 2);
     assert_eq!(c.source.vllm.lora_names[&1], "a");
     assert_eq!(c.source.vllm.lora_names[&2], "b");
-    let opts = c.decode_options();
+    let opts = DecodeSettings::from(&c.source);
     assert_eq!(opts.vllm.lora_names.get(&2).map(String::as_str), Some("b"));
     let msg = assert_names(
         load_text("[source.vllm.lora_names]\nsql = \"x\""),

@@ -2,11 +2,11 @@
 //! nested, oversized, huge declared lengths, and a deterministic xorshift fuzz over mutations
 //! of every fixture. Each must come back as a typed [`DecodeError`] (or decode), never panic.
 
-use kvindex::event::detect::{DecodeOptions, Format};
-use kvindex::event::{DecodeError, Envelope, VllmOptions, decode_payload};
+use kvindex::event::decode::{DecodeSettings, Format};
+use kvindex::event::{DecodeError, Envelope, VllmSettings, decode_payload};
 use std::path::{Path, PathBuf};
 
-const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/fixtures");
+const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures");
 const REASONS: [&str; 11] = [
     "empty",
     "too_large",
@@ -21,15 +21,15 @@ const REASONS: [&str; 11] = [
     "unmapped_lora",
 ];
 
-fn opts(format: Format) -> DecodeOptions {
-    DecodeOptions {
+fn opts(format: Format) -> DecodeSettings {
+    DecodeSettings {
         format,
-        vllm: VllmOptions {
+        vllm: VllmSettings {
             model: Some("m".into()),
             tenant: "t".into(),
             lora_names: [(1, "a".to_string())].into_iter().collect(),
         },
-        ..DecodeOptions::default()
+        ..DecodeSettings::default()
     }
 }
 

@@ -12,10 +12,10 @@
 
 mod support;
 
-use kvindex::event::detect::{DecodeOptions, Format};
+use kvindex::event::decode::{DecodeSettings, Format};
 use kvindex::event::proto::{decode, decode_fast, decode_prost};
 use kvindex::event::{
-    BlockContent, DecodeError, EngineHash, Envelope, Event, EventKind, PartitionKey, VllmOptions,
+    BlockContent, DecodeError, EngineHash, Envelope, Event, EventKind, PartitionKey, VllmSettings,
     decode_payload, encode,
 };
 use support::TestRng as Rng;
@@ -399,15 +399,15 @@ fn proto_encoder_output_takes_the_fast_path() {
 
 // --- vLLM msgpack ---
 
-fn vllm_opts() -> DecodeOptions {
-    DecodeOptions {
+fn vllm_opts() -> DecodeSettings {
+    DecodeSettings {
         format: Format::Vllm,
-        vllm: VllmOptions {
+        vllm: VllmSettings {
             model: Some("m".into()),
             tenant: "acme".into(),
-            ..VllmOptions::default()
+            ..VllmSettings::default()
         },
-        ..DecodeOptions::default()
+        ..DecodeSettings::default()
     }
 }
 

@@ -1,18 +1,18 @@
-//! Decodes every real producer fixture in `../shared/fixtures` (vLLM msgpack, inference-cache
+//! Decodes every real producer fixture in `tests/fixtures` (vLLM msgpack, inference-cache
 //! protobuf + JSON twins) and checks it field by field against the `.json` describing it; also
 //! the vLLM LoRA/medium/dp-rank rules, auto-detection, the JSON schema (fixtures and encoder
 //! output must validate; wrong documents must not) and encode → decode round trips.
 
-use kvindex::event::detect::{self, DecodeOptions, Decoded, Format};
+use kvindex::event::decode::{self, DecodeSettings, Decoded, Format};
 use kvindex::event::{
     BlockContent, DecodeError, EngineHash, Envelope, Event, EventKind, PartitionKey, Tier,
-    VllmOptions, decode_payload, encode, engine_id,
+    VllmSettings, decode_payload, encode, engine_id,
 };
 use serde_json::{Value, json};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/fixtures");
+const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures");
 const SCHEMA: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
     "/schemas/cache_event.schema.json"
@@ -43,10 +43,10 @@ fn read_json(p: &Path) -> Value {
     serde_json::from_slice(&read(p)).unwrap_or_else(|e| panic!("parse {}: {e}", p.display()))
 }
 
-fn opts(format: Format, lora_names: &[(i64, &str)]) -> DecodeOptions {
-    DecodeOptions {
+fn opts(format: Format, lora_names: &[(i64, &str)]) -> DecodeSettings {
+    DecodeSettings {
         format,
-        vllm: VllmOptions {
+        vllm: VllmSettings {
             model: Some(MODEL.into()),
             tenant: TENANT.into(),
             lora_names: lora_names
@@ -54,7 +54,7 @@ fn opts(format: Format, lora_names: &[(i64, &str)]) -> DecodeOptions {
                 .map(|(k, v)| (*k, v.to_string()))
                 .collect(),
         },
-        ..DecodeOptions::default()
+        ..DecodeSettings::default()
     }
 }
 
@@ -121,8 +121,8 @@ fn inference_cache_fixtures_decode_field_by_field() {
         let pb = read(&pb_path);
         let js = read(&json_path);
 
-        assert_eq!(detect::detect(&pb), Format::Proto, "{name}");
-        assert_eq!(detect::detect(&js), Format::Json, "{name}");
+        assert_eq!(decode::detect(&pb), Format::Proto, "{name}");
+        assert_eq!(decode::detect(&js), Format::Json, "{name}");
         for (bytes, format) in [
             (&pb, Format::Auto),
             (&pb, Format::Proto),
@@ -244,7 +244,7 @@ fn vllm_fixtures_decode_field_by_field() {
         for mp in files("vllm", "msgpack") {
             let name = mp.display().to_string();
             let bytes = read(&mp);
-            assert_eq!(detect::detect(&bytes), Format::Vllm, "{name}");
+            assert_eq!(decode::detect(&bytes), Format::Vllm, "{name}");
             let (want, want_skipped) =
                 expected_vllm(&read_json(&mp.with_extension("json")), &names);
             for format in [Format::Auto, Format::Vllm] {
@@ -548,7 +548,7 @@ fn vllm_round_trip() {
         ev.timestamp_us = ts;
     }
     let bytes = encode::to_vllm(&events, 3);
-    assert_eq!(detect::detect(&bytes), Format::Vllm);
+    assert_eq!(decode::detect(&bytes), Format::Vllm);
     assert_eq!(decode(&bytes, Format::Auto, &[]).events, events);
 
     // Every fixture survives decode → to_vllm → decode (named form).
@@ -570,7 +570,7 @@ fn format_names() {
     assert_eq!(Format::default(), Format::Auto);
     let f: Format = serde_json::from_str("\"proto\"").unwrap();
     assert_eq!(f, Format::Proto);
-    assert_eq!(DecodeOptions::default().max_payload_bytes, 4 << 20);
+    assert_eq!(DecodeSettings::default().max_payload_bytes, 4 << 20);
 }
 
 #[test]

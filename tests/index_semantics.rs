@@ -2,7 +2,7 @@
 //! plus a randomized comparison with an independent reference model.
 
 use kvindex::event::{BlockContent, EngineHash, Event, EventKind, PartitionKey, Tier};
-use kvindex::index::{EngineMatch, Index, IndexConfig, QueryBlocks, SkipReason};
+use kvindex::index::{EngineMatch, Index, IndexSettings, QueryBlocks, SkipReason};
 use std::collections::{BTreeMap, HashMap};
 
 const BS: u32 = 4;
@@ -75,7 +75,7 @@ fn apply(index: &Index, ev: &Event) {
 fn indexes() -> Vec<Index> {
     [1, 2, 3]
         .into_iter()
-        .map(|shards| Index::new(IndexConfig { shards, seed: 7 }))
+        .map(|shards| Index::new(IndexSettings { shards, seed: 7 }))
         .collect()
 }
 
@@ -318,7 +318,7 @@ fn hash_only_producers_match_by_block_hashes() {
 
 #[test]
 fn replica_updated_is_liveness_only_and_unknown_types_are_skipped() {
-    let index = Index::new(IndexConfig { shards: 2, seed: 1 });
+    let index = Index::new(IndexSettings { shards: 2, seed: 1 });
     let mut ev = Event::new(EventKind::ReplicaUpdated, "e", part(""));
     ev.timestamp_us = 42;
     apply(&index, &ev);
@@ -338,7 +338,7 @@ fn replica_updated_is_liveness_only_and_unknown_types_are_skipped() {
 
 #[test]
 fn malformed_chains_are_skipped_with_reasons() {
-    let index = Index::new(IndexConfig { shards: 1, seed: 1 });
+    let index = Index::new(IndexSettings { shards: 1, seed: 1 });
     let mut ev = store("e", part(""), 1, 0, 2, Tier::Gpu);
     ev.content = BlockContent::Tokens {
         token_ids: vec![1, 2, 3],
@@ -462,7 +462,7 @@ fn randomized_against_reference_model() {
         rng % n
     };
     for shards in [1, 2] {
-        let index = Index::new(IndexConfig { shards, seed: 3 });
+        let index = Index::new(IndexSettings { shards, seed: 3 });
         let mut model = Model::default();
         let mut saw_dense = false;
         let adapters = ["", "a", "b"];
@@ -528,14 +528,14 @@ fn randomized_against_reference_model() {
 /// whatever the cut falls on (inside a group of equal matches, across shards).
 #[test]
 fn a_limited_lookup_is_the_full_answer_cut_short() {
-    use kvindex::produce::{Fleet, FleetConfig};
-    let mut fleet = Fleet::new(FleetConfig {
+    use kvindex::sim::{Fleet, FleetSettings};
+    let mut fleet = Fleet::new(FleetSettings {
         engines: 40,
         capacity_blocks: 400,
         seed: 3,
-        ..FleetConfig::default()
+        ..FleetSettings::default()
     });
-    let index = Index::new(IndexConfig { shards: 3, seed: 1 });
+    let index = Index::new(IndexSettings { shards: 3, seed: 1 });
     for _ in 0..600 {
         for ev in fleet.next_request() {
             let _ = index.apply(&ev, 0);
@@ -546,7 +546,7 @@ fn a_limited_lookup_is_the_full_answer_cut_short() {
         let (p, token_ids) = fleet.sample_query();
         let blocks = QueryBlocks::Tokens {
             token_ids,
-            block_size: FleetConfig::default().block_size,
+            block_size: FleetSettings::default().block_size,
         };
         let full = index.lookup(&p, &blocks).1.to_vec();
         widest = widest.max(full.len());

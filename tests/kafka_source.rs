@@ -3,10 +3,11 @@
 
 use kvindex::config::StartPosition;
 use kvindex::event::encode;
-use kvindex::produce::{Fleet, FleetConfig};
+use kvindex::sim::{Fleet, FleetSettings};
 use kvindex::source::kafka::check_divergence;
 use kvindex::source::{
-    Checkpoints, Divergence, EmbeddedBroker, KafkaPublisher, KafkaSettings, KafkaSource, Message,
+    Checkpoints, Divergence, EmbeddedBroker, EventSource, KafkaPublisher, KafkaSettings,
+    KafkaSource, Message,
 };
 use parking_lot::Mutex;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
@@ -222,9 +223,9 @@ async fn group_consumes_every_offset_once_in_order() {
     let broker = EmbeddedBroker::start(TOPIC, 16).unwrap();
     let publisher =
         KafkaPublisher::new(&broker.bootstrap_servers(), TOPIC, &BTreeMap::new()).unwrap();
-    let mut fleet = Fleet::new(FleetConfig {
+    let mut fleet = Fleet::new(FleetSettings {
         engines: 12,
-        ..FleetConfig::default()
+        ..FleetSettings::default()
     });
     let mut sent = 0usize;
     let mut engine_payloads: HashMap<String, usize> = HashMap::new();
@@ -245,12 +246,13 @@ async fn group_consumes_every_offset_once_in_order() {
     assert_eq!(wm.values().map(|w| w.1).sum::<i64>() as usize, sent);
 
     let cp = Arc::new(TestCheckpoints::default());
-    let mut src = KafkaSource::new(
+    let mut src = KafkaSource::connect(
         settings(&broker, Some("g1"), StartPosition::Earliest),
         cp.clone(),
     )
+    .await
     .unwrap();
-    assert_eq!(src.source_name(), "kafka:kv-events");
+    assert_eq!(src.name(), "kafka:kv-events");
     let msgs = consume(
         &mut src,
         &cp,
@@ -312,10 +314,11 @@ async fn resumes_from_checkpoint_not_from_broker_commits() {
         .iter()
         .map(|(p, w)| w.1 - from.get(p).unwrap_or(&0))
         .sum();
-    let mut src = KafkaSource::new(
+    let mut src = KafkaSource::connect(
         settings(&broker, Some("g2"), StartPosition::Earliest),
         cp.clone(),
     )
+    .await
     .unwrap();
     let msgs = consume(
         &mut src,
@@ -343,7 +346,9 @@ async fn start_latest_and_timestamp_without_checkpoint() {
         publish(&broker, 100, "old").await;
         let before = watermarks(&broker);
         let cp = Arc::new(TestCheckpoints::default());
-        let mut src = KafkaSource::new(settings(&broker, Some("g3"), start), cp.clone()).unwrap();
+        let mut src = KafkaSource::connect(settings(&broker, Some("g3"), start), cp.clone())
+            .await
+            .unwrap();
         // Wait until every partition is positioned.
         let end = Instant::now() + Duration::from_secs(20);
         let mut early = Vec::new();
@@ -389,10 +394,11 @@ async fn ahead_of_log_stops_the_partition_or_resets() {
     // Reported and stopped.
     let cp = Arc::new(TestCheckpoints::default());
     cp.store(0, 1000);
-    let mut src = KafkaSource::new(
+    let mut src = KafkaSource::connect(
         settings(&broker, Some("g4"), StartPosition::Earliest),
         cp.clone(),
     )
+    .await
     .unwrap();
     let msgs = consume(
         &mut src,
@@ -421,7 +427,7 @@ async fn ahead_of_log_stops_the_partition_or_resets() {
     cp.store(0, 1000);
     let mut s = settings(&broker, Some("g5"), StartPosition::Earliest);
     s.reset_on_divergence = true;
-    let mut src = KafkaSource::new(s, cp.clone()).unwrap();
+    let mut src = KafkaSource::connect(s, cp.clone()).await.unwrap();
     let msgs = consume(
         &mut src,
         &cp,
@@ -440,7 +446,7 @@ async fn ahead_of_log_stops_the_partition_or_resets() {
     cp.store(0, 1000);
     let mut s = settings(&broker, None, StartPosition::Latest);
     s.log_is_ephemeral = true;
-    let mut src = KafkaSource::new(s, cp.clone()).unwrap();
+    let mut src = KafkaSource::connect(s, cp.clone()).await.unwrap();
     let msgs = consume(
         &mut src,
         &cp,
@@ -475,10 +481,11 @@ async fn events_deleted_is_a_divergence() {
 
     let cp = Arc::new(TestCheckpoints::default());
     cp.store(0, 1);
-    let mut src = KafkaSource::new(
+    let mut src = KafkaSource::connect(
         settings(&broker, Some("g6"), StartPosition::Earliest),
         cp.clone(),
     )
+    .await
     .unwrap();
     let msgs = consume(
         &mut src,
@@ -502,10 +509,11 @@ async fn survives_broker_down_and_request_errors() {
     let broker = EmbeddedBroker::start(TOPIC, 4).unwrap();
     publish(&broker, 300, "a").await;
     let cp = Arc::new(TestCheckpoints::default());
-    let mut src = KafkaSource::new(
+    let mut src = KafkaSource::connect(
         settings(&broker, Some("g7"), StartPosition::Earliest),
         cp.clone(),
     )
+    .await
     .unwrap();
     let mut msgs = consume(&mut src, &cp, 100, Duration::from_secs(20), Duration::ZERO).await;
     assert!(msgs.len() >= 100);
@@ -573,7 +581,7 @@ async fn revocation_persists_before_release() {
             .insert("heartbeat.interval.ms".into(), "500".into());
         s
     };
-    let mut a = KafkaSource::new(member(), cp.clone()).unwrap();
+    let mut a = KafkaSource::connect(member(), cp.clone()).await.unwrap();
     let first = consume(
         &mut a,
         &cp,
@@ -585,7 +593,7 @@ async fn revocation_persists_before_release() {
     assert_eq!(first.len(), 200);
     assert_eq!(cp.persists.load(Ordering::SeqCst), 0);
 
-    let mut b = KafkaSource::new(member(), cp.clone()).unwrap();
+    let mut b = KafkaSource::connect(member(), cp.clone()).await.unwrap();
     let end = Instant::now() + Duration::from_secs(30);
     let mut late = Vec::new();
     while Instant::now() < end && (b.status().is_empty() || a.status().len() == 4) {
@@ -614,13 +622,14 @@ async fn commit_sets_broker_offsets() {
     let broker = EmbeddedBroker::start(TOPIC, 2).unwrap();
     publish(&broker, 50, "a").await;
     let cp = Arc::new(TestCheckpoints::default());
-    let mut src = KafkaSource::new(
+    let mut src = KafkaSource::connect(
         settings(&broker, Some("g9"), StartPosition::Earliest),
         cp.clone(),
     )
+    .await
     .unwrap();
     consume(&mut src, &cp, 50, Duration::from_secs(20), Duration::ZERO).await;
-    src.commit(&[(0, 3), (1, 5)]).unwrap();
+    src.commit(&[(0, 3), (1, 5)]).await.unwrap();
     let reader: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", broker.bootstrap_servers())
         .set("group.id", "g9")

@@ -6,9 +6,10 @@
 mod support;
 
 use kvindex::event::encode;
-use kvindex::produce::{Fleet, FleetConfig};
-use kvindex::source::nats::{NatsPublisher, NatsSettings, NatsSource};
-use kvindex::source::{Checkpoints, Divergence, Message};
+use kvindex::sim::{Fleet, FleetSettings};
+use kvindex::source::{
+    Checkpoints, Divergence, EventSource, Message, NatsPublisher, NatsSettings, NatsSource,
+};
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 use std::sync::Mutex;
@@ -179,10 +180,10 @@ async fn publish_fleet(
     n: usize,
     seed: u64,
 ) -> Vec<Expected> {
-    let mut fleet = Fleet::new(FleetConfig {
+    let mut fleet = Fleet::new(FleetSettings {
         engines: 4,
         seed,
-        ..FleetConfig::default()
+        ..FleetSettings::default()
     });
     let mut out = Vec::new();
     while out.len() < n {
@@ -269,8 +270,12 @@ fn offsets(msgs: &[Message]) -> Vec<i64> {
 async fn consumes_every_sequence_once_in_order() {
     let ts = TestStream::new(NATS_URL);
     let mut src = connect(&ts, ts.settings(), none()).await;
-    assert_eq!(src.source_name(), ts.source_name());
-    assert_eq!(src.high_watermark_at_start(), 1, "empty stream at start");
+    assert_eq!(src.name(), ts.source_name());
+    assert_eq!(
+        src.high_watermarks_at_start(),
+        [(0, 1)],
+        "empty stream at start"
+    );
     let mut p = publisher(&ts.url, true).await;
     let expected = publish_fleet(&mut p, &ts, 300, 7).await;
 
@@ -301,7 +306,7 @@ async fn consumes_every_sequence_once_in_order() {
         (0, 301, 301)
     );
     assert_eq!(st.divergence, None);
-    src.commit(301).await.unwrap();
+    src.commit(&[(0, 301)]).await.unwrap();
 
     // Another token: the first one (`kvtest`), counted from the start.
     let settings = NatsSettings {
@@ -310,7 +315,7 @@ async fn consumes_every_sequence_once_in_order() {
         ..ts.settings()
     };
     let mut other = connect(&ts, settings, none()).await;
-    assert_eq!(other.high_watermark_at_start(), 301);
+    assert_eq!(other.high_watermarks_at_start(), [(0, 301)]);
     let got = collect(&mut other, 300, Duration::from_secs(20)).await;
     assert!(got.iter().all(|m| m.engine.as_deref() == Some("kvtest")));
 }
@@ -326,10 +331,10 @@ async fn the_checkpoint_wins_over_the_consumer_ack_floor() {
 
     // The durable consumer reads everything but acks only below 11.
     let mut a = connect(&ts, ts.settings(), none()).await;
-    assert_eq!(a.high_watermark_at_start(), 51);
+    assert_eq!(a.high_watermarks_at_start(), [(0, 51)]);
     let got = collect(&mut a, 50, Duration::from_secs(20)).await;
     assert_eq!(offsets(&got), (1..=50).collect::<Vec<i64>>());
-    a.commit(11).await.unwrap();
+    a.commit(&[(0, 11)]).await.unwrap();
     drop(a);
     tokio::time::sleep(Duration::from_millis(200)).await;
 
@@ -345,7 +350,7 @@ async fn the_checkpoint_wins_over_the_consumer_ack_floor() {
     assert_eq!(offsets(&got), (40..=50).collect::<Vec<i64>>());
     assert_eq!(got[0].payload, b"msg-39");
     assert_quiet(&mut b, Duration::from_millis(300)).await;
-    b.commit(51).await.unwrap();
+    b.commit(&[(0, 51)]).await.unwrap();
     drop(b);
     tokio::time::sleep(Duration::from_millis(200)).await;
 
@@ -358,7 +363,7 @@ async fn the_checkpoint_wins_over_the_consumer_ack_floor() {
     .await;
     let got = collect(&mut c, 46, Duration::from_secs(20)).await;
     assert_eq!(offsets(&got), (5..=50).collect::<Vec<i64>>());
-    c.commit(51).await.unwrap();
+    c.commit(&[(0, 51)]).await.unwrap();
     c.close().await;
     drop(c);
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -399,7 +404,7 @@ async fn uncommitted_messages_come_back_committed_ones_do_not() {
     assert_eq!(offsets(&got), (1..=20).collect::<Vec<i64>>());
     // Now 1..=15 become durable and are committed.
     checkpoints.set(&ts.source_name(), 16);
-    b.commit(16).await.unwrap();
+    b.commit(&[(0, 16)]).await.unwrap();
     drop(b);
     tokio::time::sleep(Duration::from_millis(200)).await;
 
@@ -432,7 +437,7 @@ async fn gaps_from_deletes_and_purges_are_crossed() {
     assert_eq!(offsets(&got), want);
     assert_eq!(got[0].payload, b"msg-5");
 
-    src.commit(31).await.unwrap();
+    src.commit(&[(0, 31)]).await.unwrap();
     drop(src);
 
     // Holes ahead of a stored position: resumes at 31 and crosses them.
@@ -570,7 +575,7 @@ async fn survives_a_server_restart_without_losing_anything() {
             .unwrap();
         seen.extend(offsets(&batch));
         if let Some(last) = batch.last() {
-            src.commit(last.offset + 1).await.unwrap();
+            src.commit(&[(0, last.offset + 1)]).await.unwrap();
         }
     }
 
@@ -637,7 +642,7 @@ async fn survives_a_server_restart_without_losing_anything() {
             .await
             .unwrap();
         if let Some(last) = batch.last() {
-            src.commit(last.offset + 1).await.unwrap();
+            src.commit(&[(0, last.offset + 1)]).await.unwrap();
         }
         seen.extend(offsets(&batch));
     }
@@ -668,7 +673,7 @@ async fn core_nats_receives_live_messages() {
         ..ts.settings()
     };
     let mut src = connect(&ts, settings, none()).await;
-    assert_eq!(src.high_watermark_at_start(), 1);
+    assert_eq!(src.high_watermarks_at_start(), [(0, 1)]);
     let mut p = publisher(&ts.url, false).await;
     publish_simple(&mut p, &ts, 0..20).await;
     let got = collect(&mut src, 20, Duration::from_secs(10)).await;
@@ -683,7 +688,7 @@ async fn core_nats_receives_live_messages() {
         assert_eq!(m.model.as_deref(), Some("m"));
         assert_eq!(m.tenant, None);
     }
-    src.commit(21).await.unwrap();
+    src.commit(&[(0, 21)]).await.unwrap();
     assert_eq!(src.status()[0].position, 21);
     assert_quiet(&mut src, Duration::from_millis(300)).await;
 }

@@ -1,18 +1,48 @@
-//! Bad input through the real pipeline: every malformed payload, in every encoding, is rejected
-//! with a counted reason that `/v1/stats` and `/metrics` show, and the next good event is still
-//! applied. Nothing panics, nothing blocks.
+//! Bad input through the real durable pipeline (a service on a temp dir): every malformed
+//! payload, in every encoding, is rejected with a counted reason that `/v1/stats` and
+//! `/metrics` show, and the next good event is still applied. Nothing panics, nothing blocks.
 
 use http_body_util::BodyExt;
 use kvindex::api::{AppState, router};
+use kvindex::config::Config;
 use kvindex::event::{
-    BlockContent, DecodeOptions, EngineHash, Envelope, Event, EventKind, Format, PartitionKey,
-    encode,
+    BlockContent, DecodeSettings, EngineHash, Event, EventKind, Format, PartitionKey, encode,
 };
-use kvindex::index::{Index, IndexConfig, QueryBlocks};
-use kvindex::metrics::Metrics;
-use kvindex::pipeline::{Pipeline, Position};
-use std::sync::Arc;
+use kvindex::index::{Index, QueryBlocks};
+use kvindex::service::Service;
+use kvindex::source::Message;
 use tower::ServiceExt;
+
+const SOURCE: &str = "test";
+
+/// A durable service of two shards on `dir`.
+fn service(dir: &std::path::Path) -> Service {
+    let mut c = Config {
+        data_dir: dir.to_path_buf(),
+        ..Config::default()
+    };
+    c.index.shards = 2;
+    c.index.seed = 9;
+    Service::open(c, None).expect("open the service")
+}
+
+/// Feeds `payload` as the next message of the source (a vLLM engine's key: `vllm-1`);
+/// returns how many events it yielded.
+fn ingest(service: &Service, offset: &mut i64, payload: &[u8], opts: &DecodeSettings) -> usize {
+    let msg = Message {
+        partition: 0,
+        offset: *offset,
+        engine: Some("vllm-1".into()),
+        payload: payload.to_vec(),
+        ..Message::default()
+    };
+    *offset += 1;
+    service
+        .pipeline
+        .ingest_batch(SOURCE, &[msg], opts)
+        .expect("the store takes the batch")
+        .events
+}
 
 fn stored(engine: &str, first_token: u32) -> Event {
     let mut ev = Event::new(EventKind::Stored, engine, PartitionKey::new("t", "m", ""));
@@ -38,19 +68,16 @@ fn holds(index: &Index, engine: &str, first_token: u32) -> bool {
 
 #[tokio::test]
 async fn malformed_payloads_are_counted_and_skipped_and_good_ones_still_apply() {
-    let index = Arc::new(Index::new(IndexConfig { shards: 2, seed: 9 }));
-    let metrics = Arc::new(Metrics::new());
-    let pipeline = Pipeline::start(index.clone(), metrics.clone());
-    let mut opts = DecodeOptions {
+    let dir = tempfile::tempdir().unwrap();
+    let service = service(dir.path());
+    let (index, metrics) = (&service.index, &service.metrics);
+    let mut offset = 0;
+    let mut opts = DecodeSettings {
         max_payload_bytes: 64 * 1024,
-        ..DecodeOptions::default()
+        ..DecodeSettings::default()
     };
     opts.vllm.model = Some("m".into());
     opts.vllm.tenant = "t".into();
-    let env = Envelope {
-        engine: Some("vllm-1"),
-        ..Envelope::default()
-    };
 
     let good_proto = encode::to_proto(&[stored("p", 100)]);
     let good_json = encode::to_json(&[stored("j", 200)]);
@@ -78,43 +105,24 @@ async fn malformed_payloads_are_counted_and_skipped_and_good_ones_still_apply() 
         ("oversized", vec![b' '; 64 * 1024 + 1]),
     ];
     for (round, (name, payload)) in bad.iter().enumerate() {
-        let pos = Position {
-            source: "test",
-            partition: 0,
-            offset: round as i64,
-        };
         assert_eq!(
-            pipeline.ingest(payload, &env, &opts, &pos),
+            ingest(&service, &mut offset, payload, &opts),
             0,
             "{name} must not yield events"
         );
         // The next good event, in each encoding, still applies.
         let base = 1000 + 10 * round as u32;
-        let pos = Position {
-            offset: round as i64 + 1,
-            ..pos
-        };
-        assert_eq!(
-            pipeline.ingest(&encode::to_proto(&[stored("p", base)]), &env, &opts, &pos),
-            1
-        );
-        assert_eq!(
-            pipeline.ingest(&encode::to_json(&[stored("j", base)]), &env, &opts, &pos),
-            1
-        );
-        assert_eq!(
-            pipeline.ingest(
-                &encode::to_vllm(&[stored("vllm-1", base)], 0),
-                &env,
-                &opts,
-                &pos
-            ),
-            1
-        );
-        pipeline.flush();
+        for payload in [
+            encode::to_proto(&[stored("p", base)]),
+            encode::to_json(&[stored("j", base)]),
+            encode::to_vllm(&[stored("vllm-1", base)], 0),
+        ] {
+            assert_eq!(ingest(&service, &mut offset, &payload, &opts), 1);
+        }
+        service.pipeline.flush();
         for engine in ["p", "j", "vllm-1"] {
             assert!(
-                holds(&index, engine, base),
+                holds(index, engine, base),
                 "{engine} event after {name} was applied"
             );
         }
@@ -132,15 +140,14 @@ async fn malformed_payloads_are_counted_and_skipped_and_good_ones_still_apply() 
     }
 
     // Forcing a format rejects the other encodings with that format's error.
-    let forced = DecodeOptions {
+    let forced = DecodeSettings {
         format: Format::Proto,
         ..opts.clone()
     };
-    let pos = Position::default();
-    assert_eq!(pipeline.ingest(&good_json, &env, &forced, &pos), 0);
+    assert_eq!(ingest(&service, &mut offset, &good_json, &forced), 0);
 
     // /v1/stats and /metrics show the reasons.
-    let app = router(AppState::new(index.clone(), metrics.clone()));
+    let app = router(AppState::over(&service, None));
     let res = app
         .clone()
         .oneshot(
@@ -172,20 +179,25 @@ async fn malformed_payloads_are_counted_and_skipped_and_good_ones_still_apply() 
 
 #[test]
 fn unknown_types_and_unappliable_chains_are_skipped_by_reason() {
-    let index = Arc::new(Index::new(IndexConfig { shards: 2, seed: 9 }));
-    let metrics = Arc::new(Metrics::new());
-    let pipeline = Pipeline::start(index.clone(), metrics.clone());
+    let dir = tempfile::tempdir().unwrap();
+    let service = service(dir.path());
     let mut orphan = stored("e", 7);
     orphan.parent_hash = Some(EngineHash(424242));
-    pipeline.submit(vec![
+    let events = [
         Event::new(EventKind::Unknown(42), "e", PartitionKey::default()),
         orphan,
         stored("e", 50),
-    ]);
-    pipeline.flush();
-    let skipped = metrics.skipped();
+    ];
+    let opts = DecodeSettings::default();
+    assert_eq!(
+        ingest(&service, &mut 0, &encode::to_proto(&events), &opts),
+        2,
+        "the unknown type is skipped at routing; the orphan reaches its shard"
+    );
+    service.pipeline.flush();
+    let skipped = service.metrics.skipped();
     assert_eq!(skipped.get("unknown_type"), Some(&1));
     assert_eq!(skipped.get("unknown_parent"), Some(&1));
-    assert!(holds(&index, "e", 50));
-    assert_eq!(metrics.applied().get("stored"), Some(&1));
+    assert!(holds(&service.index, "e", 50));
+    assert_eq!(service.metrics.applied().get("stored"), Some(&1));
 }

@@ -6,10 +6,10 @@
 mod support;
 
 use kvindex::config::Config;
-use kvindex::event::encode;
-use kvindex::produce::{Fleet, FleetConfig};
+use kvindex::event::{DecodeSettings, encode};
 use kvindex::service::Service;
-use kvindex::source::Message;
+use kvindex::sim::{Fleet, FleetSettings};
+use kvindex::source::{EventSource, Message};
 use std::sync::atomic::Ordering::Relaxed;
 use support::fingerprint;
 
@@ -42,14 +42,14 @@ fn messages(fleet: &mut Fleet, offset: i64, n: usize) -> Vec<Message> {
 #[test]
 fn redelivery_is_skipped_counted_and_changes_nothing() {
     let dir = tempfile::tempdir().unwrap();
-    let mut fleet = Fleet::new(FleetConfig {
+    let mut fleet = Fleet::new(FleetSettings {
         capacity_blocks: 128,
-        ..FleetConfig::default()
+        ..FleetSettings::default()
     });
     let batch = messages(&mut fleet, 0, 200);
     let later = messages(&mut fleet, 200, 50);
     let queries: Vec<_> = (0..16).map(|_| fleet.sample_query()).collect();
-    let opts = Config::default().decode_options();
+    let opts = DecodeSettings::from(&Config::default().source);
 
     let service = Service::open(config(dir.path()), None).unwrap();
     let p = &service.pipeline;
@@ -95,13 +95,13 @@ fn redelivery_is_skipped_counted_and_changes_nothing() {
     assert_eq!(service.pipeline.next_offset(SOURCE, 0), Some(250));
 
     // The same state as applying everything once, in memory only.
-    let reference = kvindex::index::Index::new(kvindex::index::IndexConfig {
+    let reference = kvindex::index::Index::new(kvindex::index::IndexSettings {
         shards: 2,
         seed: Config::default().index.seed,
     });
-    let mut fleet = Fleet::new(FleetConfig {
+    let mut fleet = Fleet::new(FleetSettings {
         capacity_blocks: 128,
-        ..FleetConfig::default()
+        ..FleetSettings::default()
     });
     for _ in 0..250 {
         for ev in fleet.next_request() {
@@ -132,13 +132,14 @@ async fn read_all_from_start(
         reset_on_divergence: false,
         log_is_ephemeral: false,
     };
-    let mut source = kvindex::source::KafkaSource::new(
+    let mut source = kvindex::source::KafkaSource::connect(
         settings,
         std::sync::Arc::new(kvindex::source::NoCheckpoints),
     )
+    .await
     .unwrap();
-    let opts = service.config.decode_options();
-    let source_name = source.source_name();
+    let opts = DecodeSettings::from(&service.config.source);
+    let source_name = source.name();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
     let mut seen = 0;
     while seen < expect {
@@ -169,7 +170,7 @@ async fn a_seek_back_on_a_real_broker_is_skipped_and_counted() {
         &Default::default(),
     )
     .unwrap();
-    let mut fleet = Fleet::new(FleetConfig::default());
+    let mut fleet = Fleet::new(FleetSettings::default());
     let mut messages = 0;
     for _ in 0..80 {
         messages += support::publish_kafka(&publisher, &fleet.next_request()).await;

@@ -1,13 +1,13 @@
 //! The synthetic fleet against the real index: consistent chains, shared prefixes, exact
 //! membership accounting, evictions, determinism, and the three wire encodings.
 
-use kvindex::event::{DecodeOptions, Envelope, Event, EventKind, Format, decode_payload, encode};
-use kvindex::index::{Index, IndexConfig, QueryBlocks};
-use kvindex::produce::{Fleet, FleetConfig};
+use kvindex::event::{DecodeSettings, Envelope, Event, EventKind, Format, decode_payload, encode};
+use kvindex::index::{Index, IndexSettings, QueryBlocks};
+use kvindex::sim::{Fleet, FleetSettings};
 use std::collections::BTreeMap;
 
-fn test_config(seed: u64) -> FleetConfig {
-    FleetConfig {
+fn test_config(seed: u64) -> FleetSettings {
+    FleetSettings {
         engines: 8,
         adapters: 3,
         tenants: 1,
@@ -19,7 +19,7 @@ fn test_config(seed: u64) -> FleetConfig {
     }
 }
 
-fn stream(cfg: FleetConfig, requests: usize) -> Vec<Event> {
+fn stream(cfg: FleetSettings, requests: usize) -> Vec<Event> {
     let mut fleet = Fleet::new(cfg);
     (0..requests).flat_map(|_| fleet.next_request()).collect()
 }
@@ -37,7 +37,7 @@ fn deterministic() {
 #[test]
 fn fleet_drives_the_index_consistently() {
     let mut fleet = Fleet::new(test_config(5));
-    let index = Index::new(IndexConfig { shards: 2, seed: 5 });
+    let index = Index::new(IndexSettings { shards: 2, seed: 5 });
     let mut kinds: BTreeMap<&str, u64> = BTreeMap::new();
     let mut last_seq: BTreeMap<String, u64> = BTreeMap::new();
     let mut last_ts = 0;
@@ -147,7 +147,7 @@ fn fleet_drives_the_index_consistently() {
 
 #[test]
 fn encodings_round_trip() {
-    let mut fleet = Fleet::new(FleetConfig {
+    let mut fleet = Fleet::new(FleetSettings {
         capacity_blocks: 256,
         clear_every: 50,
         ..test_config(9)
@@ -158,7 +158,7 @@ fn encodings_round_trip() {
     }
     assert!(batch.iter().any(|e| e.kind == EventKind::Removed));
     assert!(batch.iter().any(|e| e.kind == EventKind::AllCleared));
-    let opts = DecodeOptions::default();
+    let opts = DecodeSettings::default();
     let none = Envelope::default();
 
     let decoded = decode_payload(&encode::to_proto(&batch), &none, &opts).expect("proto decodes");
@@ -171,9 +171,9 @@ fn encodings_round_trip() {
     // vLLM: one batch per engine (payloads name neither engine nor model; the envelope does).
     // vLLM has no seq, per-event timestamp, heartbeat or base-model adapter_scoped flag:
     // compare what it carries.
-    let vllm_opts = DecodeOptions {
+    let vllm_opts = DecodeSettings {
         format: Format::Vllm,
-        ..DecodeOptions::default()
+        ..DecodeSettings::default()
     };
     for (engine, base) in fleet.engines() {
         let mine: Vec<Event> = batch

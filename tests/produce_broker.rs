@@ -10,8 +10,8 @@
 //! is keyed by (Kafka) or addressed to (NATS subject) the engine whose events it holds, and each
 //! engine's events arrive complete and in order.
 
-use kvindex::event::{DecodeOptions, Envelope, Event, EventKind, Format, decode_payload};
-use kvindex::produce::{Fleet, FleetConfig};
+use kvindex::event::{DecodeSettings, Envelope, Event, EventKind, Format, decode_payload};
+use kvindex::sim::{Fleet, FleetSettings};
 use kvindex::source::EmbeddedBroker;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::{Headers, Message};
@@ -105,16 +105,16 @@ fn run_produce(args: &[&str]) -> Summary {
     parse_summary(&stderr)
 }
 
-fn fleet_config(requests_seed: u64) -> FleetConfig {
+fn fleet_config(requests_seed: u64) -> FleetSettings {
     // What `kvindex produce --engines 6 --seed S` simulates (CLI defaults for the rest).
-    FleetConfig {
+    FleetSettings {
         engines: ENGINES,
         adapters: 2,
         tenants: 1,
         models: 1,
         block_size: 16,
         seed: requests_seed,
-        ..FleetConfig::default()
+        ..FleetSettings::default()
     }
 }
 
@@ -250,7 +250,7 @@ fn produces_to_kafka_keyed_by_engine() {
         messages.iter().map(|m| m.2.len() as u64).sum::<u64>(),
         summary.bytes
     );
-    let opts = DecodeOptions::default();
+    let opts = DecodeSettings::default();
     let mut got: BTreeMap<String, Vec<Vec<Event>>> = BTreeMap::new();
     let mut partitions: BTreeMap<String, BTreeSet<i32>> = BTreeMap::new();
     for (partition, key, payload) in &messages {
@@ -442,9 +442,9 @@ async fn produces_to_nats_jetstream_by_engine_subject() {
 
     // Every payload decodes as vLLM with the engine from the subject and the model/tenant
     // headers, and each engine's events arrive complete and in order.
-    let opts = DecodeOptions {
+    let opts = DecodeSettings {
         format: Format::Vllm,
-        ..DecodeOptions::default()
+        ..DecodeSettings::default()
     };
     let mut got: BTreeMap<String, Vec<Vec<(EventKind, usize)>>> = BTreeMap::new();
     for seq in 1..=info.state.last_sequence {

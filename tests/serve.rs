@@ -6,8 +6,8 @@
 mod support;
 
 use kvindex::event::{Event, PartitionKey, encode};
-use kvindex::index::{Index, IndexConfig};
-use kvindex::produce::{Fleet, FleetConfig};
+use kvindex::index::{Index, IndexSettings};
+use kvindex::sim::{Fleet, FleetSettings};
 use kvindex::source::nats::NatsPublisher;
 use kvindex::source::{EmbeddedBroker, KafkaPublisher};
 use serde_json::{Value, json};
@@ -38,7 +38,7 @@ async fn produce(
 }
 
 fn reference_index(shards: usize) -> Index {
-    Index::new(IndexConfig { shards, seed: SEED })
+    Index::new(IndexSettings { shards, seed: SEED })
 }
 
 /// The lookup answer over HTTP, as sorted (engine, matched blocks) pairs.
@@ -125,7 +125,7 @@ async fn embedded_default_consumes_answers_and_restarts_warm() {
     assert_eq!(stats["sources"]["bootstrap_servers"], bootstrap.as_str());
 
     let publisher = KafkaPublisher::new(&bootstrap, "kv-events", &Default::default()).unwrap();
-    let mut fleet = Fleet::new(FleetConfig::default());
+    let mut fleet = Fleet::new(FleetSettings::default());
     let reference = reference_index(2);
     let messages = produce(&publisher, &mut fleet, &reference, 300).await;
     let stats = blocking(|| wait_caught_up(&kv, messages));
@@ -246,7 +246,7 @@ async fn kafka_group_commits_durable_offsets_and_rides_out_broker_faults() {
     let kv = blocking(|| spawn_kvindex(&["serve", "--config", &config], &data, &[], START));
     let publisher =
         KafkaPublisher::new(&broker.bootstrap_servers(), topic, &Default::default()).unwrap();
-    let mut fleet = Fleet::new(FleetConfig::default());
+    let mut fleet = Fleet::new(FleetSettings::default());
     let reference = reference_index(2);
     let mut total = produce(&publisher, &mut fleet, &reference, 100).await;
     let stats = blocking(|| wait_caught_up(&kv, total));
@@ -271,9 +271,9 @@ async fn kafka_group_commits_durable_offsets_and_rides_out_broker_faults() {
     let (status, _) = kv.get("/readyz");
     assert_eq!(status, 200, "ready stays latched through broker trouble");
     // Another fleet's traffic (same engine names, new hash seeds, as after engine restarts).
-    let mut fleet2 = Fleet::new(FleetConfig {
+    let mut fleet2 = Fleet::new(FleetSettings {
         seed: 9,
-        ..FleetConfig::default()
+        ..FleetSettings::default()
     });
     let pending: Vec<Vec<Event>> = (0..50).map(|_| fleet2.next_request()).collect();
     let publisher2 =
@@ -314,7 +314,7 @@ async fn a_recreated_shorter_topic_is_a_divergence_unless_reset() {
     let topic = "kv-diverge";
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
-    let mut fleet = Fleet::new(FleetConfig::default());
+    let mut fleet = Fleet::new(FleetSettings::default());
     {
         let broker = EmbeddedBroker::start(topic, 1).unwrap();
         let config = kafka_config(dir.path(), &broker, topic, "");
@@ -456,7 +456,7 @@ seed = {SEED}
     p.ensure_stream(&stream, &[format!("{prefix}.>")])
         .await
         .unwrap();
-    let mut fleet = Fleet::new(FleetConfig::default());
+    let mut fleet = Fleet::new(FleetSettings::default());
     let reference = reference_index(2);
     let mut sent = produce_nats(&mut p, &prefix, &mut fleet, &reference, 100).await;
     let kv = blocking(|| spawn_kvindex(&["serve", "--config", &config], &data, &[], START));
@@ -534,7 +534,7 @@ seed = {SEED}
     p.ensure_stream(&stream, &[format!("{prefix}.>")])
         .await
         .unwrap();
-    let mut fleet = Fleet::new(FleetConfig::default());
+    let mut fleet = Fleet::new(FleetSettings::default());
     let reference = reference_index(2);
     let mut sent = produce_nats(&mut p, &prefix, &mut fleet, &reference, 60).await;
     let kv = blocking(|| {
@@ -597,7 +597,7 @@ async fn replay_rebuilds_from_a_topic_and_serve_resumes_from_it() {
     let config = kafka_config(dir.path(), &broker, topic, "kvindex");
     let publisher =
         KafkaPublisher::new(&broker.bootstrap_servers(), topic, &Default::default()).unwrap();
-    let mut fleet = Fleet::new(FleetConfig::default());
+    let mut fleet = Fleet::new(FleetSettings::default());
     let reference = reference_index(2);
     let total = produce(&publisher, &mut fleet, &reference, 120).await;
 
@@ -703,7 +703,7 @@ jetstream = false
     let mut p = NatsPublisher::connect("nats://127.0.0.1:4222", false)
         .await
         .expect("NATS must be running at 127.0.0.1:4222 (scripts/setup.sh starts it)");
-    let mut fleet = Fleet::new(FleetConfig::default());
+    let mut fleet = Fleet::new(FleetSettings::default());
     let mut events = 0;
     for _ in 0..20 {
         let request = fleet.next_request();
@@ -733,7 +733,7 @@ async fn an_explicit_partition_list_is_consumed_alone() {
     );
     let publisher =
         KafkaPublisher::new(&broker.bootstrap_servers(), topic, &Default::default()).unwrap();
-    let mut fleet = Fleet::new(FleetConfig::default());
+    let mut fleet = Fleet::new(FleetSettings::default());
     produce(&publisher, &mut fleet, &reference_index(2), 40).await;
     let kv = blocking(|| {
         spawn_kvindex(

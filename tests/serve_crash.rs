@@ -15,9 +15,9 @@
 mod support;
 
 use kvindex::config::Config;
-use kvindex::index::{Index, IndexConfig};
-use kvindex::produce::{Fleet, FleetConfig, Rng};
+use kvindex::index::{Index, IndexSettings};
 use kvindex::service::Service;
+use kvindex::sim::{Fleet, FleetSettings, Rng};
 use kvindex::source::{EmbeddedBroker, KafkaPublisher};
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -28,8 +28,8 @@ const TRIALS: usize = 24;
 const REQUESTS_PER_TRIAL: usize = 120;
 const SEED: u64 = 0x6b76_696e_6465_7831;
 
-fn fleet_config() -> FleetConfig {
-    FleetConfig {
+fn fleet_config() -> FleetSettings {
+    FleetSettings {
         engines: 10,
         adapters: 2,
         // Small caches and frequent restarts: many removals and clears, whose double
@@ -37,7 +37,7 @@ fn fleet_config() -> FleetConfig {
         capacity_blocks: 192,
         clear_every: 250,
         seed: 42,
-        ..FleetConfig::default()
+        ..FleetSettings::default()
     }
 }
 
@@ -82,7 +82,7 @@ interval_ms = 20
     let publisher =
         KafkaPublisher::new(&broker.bootstrap_servers(), TOPIC, &Default::default()).unwrap();
     let mut fleet = Fleet::new(fleet_config());
-    let reference = Index::new(IndexConfig {
+    let reference = Index::new(IndexSettings {
         shards: 2,
         seed: SEED,
     });
@@ -183,7 +183,7 @@ interval_ms = 20
     }
     let service = Service::open(cfg, None).unwrap();
     if l1_max_bytes.is_some() {
-        let wb = service.tiering.stats();
+        let wb = service.spill.stats();
         assert!(
             service.loaded.left_in_l2 > 0,
             "a tiny L1 should leave most rows in L2: {:?}",

@@ -3,9 +3,9 @@
 //! mismatches are refused by name, and a full disk is an error, not a panic.
 
 use kvindex::event::{Event, EventKind, PartitionKey, Tier};
-use kvindex::index::{EngineInfo, EngineMatch, Index, IndexConfig, PartitionStats, QueryBlocks};
-use kvindex::produce::{Fleet, FleetConfig};
-use kvindex::store::{Store, StoreError, StoreOptions};
+use kvindex::index::{EngineInfo, EngineMatch, Index, IndexSettings, PartitionStats, QueryBlocks};
+use kvindex::sim::{Fleet, FleetSettings};
+use kvindex::store::{Store, StoreError, StoreSettings};
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -15,15 +15,15 @@ const SOURCE: &str = "fleet";
 /// Source partitions: events are spread by engine, so each engine's events stay in order.
 const SOURCE_PARTITIONS: i32 = 2;
 
-fn fleet_config() -> FleetConfig {
-    FleetConfig {
+fn fleet_config() -> FleetSettings {
+    FleetSettings {
         engines: 6,
         adapters: 2,
         // Small caches and frequent restarts: evictions and clears all along the stream.
         capacity_blocks: 96,
         clear_every: 60,
         seed: 11,
-        ..FleetConfig::default()
+        ..FleetSettings::default()
     }
 }
 
@@ -71,14 +71,14 @@ fn source_partition(engine: &str) -> i32 {
 }
 
 fn new_index() -> Index {
-    Index::new(IndexConfig {
+    Index::new(IndexSettings {
         shards: SHARDS,
         seed: SEED,
     })
 }
 
-fn options() -> StoreOptions {
-    StoreOptions {
+fn options() -> StoreSettings {
+    StoreSettings {
         shards: SHARDS,
         seed: SEED,
         sync: false,
@@ -397,7 +397,7 @@ fn reopening_with_another_shard_count_or_seed_is_refused_by_name() {
     drop(open(dir.path()));
     let err = Store::open(
         dir.path(),
-        &StoreOptions {
+        &StoreSettings {
             shards: SHARDS + 1,
             ..options()
         },
@@ -417,7 +417,7 @@ fn reopening_with_another_shard_count_or_seed_is_refused_by_name() {
     assert!(msg.contains("kvindex replay"), "{msg}");
     let err = Store::open(
         dir.path(),
-        &StoreOptions {
+        &StoreSettings {
             seed: SEED + 1,
             ..options()
         },

@@ -9,22 +9,23 @@
 mod support;
 
 use kvindex::config::Config;
-use kvindex::event::{Event, encode};
-use kvindex::index::shard::{L1Key, TierSettings, TierStats};
-use kvindex::index::{Index, IndexConfig, QueryBlocks};
-use kvindex::produce::{Fleet, FleetConfig};
+use kvindex::event::{DecodeSettings, Event, encode};
+use kvindex::index::ShardL1;
+use kvindex::index::shard::{L1Key, ReadThroughSettings, ReadThroughStats};
+use kvindex::index::{Index, IndexSettings, QueryBlocks};
 use kvindex::service::Service;
+use kvindex::sim::{Fleet, FleetSettings};
 use kvindex::source::Message;
-use kvindex::store::{Store, StoreOptions, StoreSink};
-use kvindex::writeback::{
-    CircuitBreaker, Fault, FaultInjector, L1Tier, L2Sink, ManualClock, ShardL1, Stamp, Stop,
-    WritebackController, WritebackSettings,
+use kvindex::spill::testing::{Fault, FaultInjector, ManualClock};
+use kvindex::spill::{
+    CircuitBreaker, L2Sink, SpillController, SpillL1, SpillSettings, Stamp, Stop,
 };
+use kvindex::store::{Store, StoreSettings, StoreSink};
 use std::sync::Arc;
 use std::time::Duration;
 use support::{Fingerprint, fingerprint, wait_for};
 
-const SOURCE: &str = "kafka:kv-tiering";
+const SOURCE: &str = "kafka:kv-spill";
 const BLOCK_SIZE: u32 = 16;
 
 fn config(dir: &std::path::Path, l1_max_bytes: u64) -> Config {
@@ -40,14 +41,14 @@ fn config(dir: &std::path::Path, l1_max_bytes: u64) -> Config {
 /// A fleet whose engines store far more than a tiny L1 holds, evict (LRU removals), clear,
 /// and use LoRA adapters.
 fn fleet(seed: u64) -> Fleet {
-    Fleet::new(FleetConfig {
+    Fleet::new(FleetSettings {
         engines: 6,
         adapters: 3,
         capacity_blocks: 1_500,
         block_size: BLOCK_SIZE,
         clear_every: 700,
         seed,
-        ..FleetConfig::default()
+        ..FleetSettings::default()
     })
 }
 
@@ -77,7 +78,7 @@ impl Traffic {
 }
 
 fn reference(c: &Config) -> Index {
-    Index::new(IndexConfig {
+    Index::new(IndexSettings {
         shards: 2,
         seed: c.index.seed,
     })
@@ -85,7 +86,7 @@ fn reference(c: &Config) -> Index {
 
 fn feed(service: &Service, reference: &Index, traffic: &mut Traffic, n: usize) {
     let (messages, events) = traffic.batch(n);
-    let opts = Config::default().decode_options();
+    let opts = DecodeSettings::from(&Config::default().source);
     service
         .pipeline
         .ingest_batch(SOURCE, &messages, &opts)
@@ -131,7 +132,7 @@ fn a_tiny_l1_answers_like_an_unbounded_index_through_churn_and_restarts() {
         let q = queries(&mut traffic, 24);
         assert_same(&service, &reference, &q, &format!("round {round}"));
     }
-    let stats = service.tiering.stats();
+    let stats = service.spill.stats();
     assert!(stats.entries_evicted > 1_000, "nothing left L1: {stats:?}");
     assert!(stats.l2_hits > 0, "no lookup or event read L2: {stats:?}");
     assert!(
@@ -177,12 +178,12 @@ fn lookups_of_l2_blocks_bring_them_back_and_stats_report_it() {
     feed(&service, &reference, &mut traffic, 400);
     assert!(service.pipeline.persist());
     let q = queries(&mut traffic, 64);
-    let before = service.tiering.stats();
+    let before = service.spill.stats();
     assert_same(&service, &reference, &q, "first lookups");
     // The worker restores what the lookups read from L2 at its next maintenance.
     feed(&service, &reference, &mut traffic, 1);
     service.pipeline.flush();
-    let after = service.tiering.stats();
+    let after = service.spill.stats();
     assert!(after.l2_hits > before.l2_hits, "{after:?}");
     assert!(
         after.restored > before.restored,
@@ -190,8 +191,8 @@ fn lookups_of_l2_blocks_bring_them_back_and_stats_report_it() {
     );
     assert_same(&service, &reference, &q, "after restores");
 
-    let state = service.app_state(None);
-    let json = serde_json::to_value(state.writeback.as_ref().unwrap().stats()).unwrap();
+    let state = kvindex::api::AppState::over(&service, None);
+    let json = serde_json::to_value(state.spill.as_ref().unwrap().stats()).unwrap();
     for field in [
         "l1_bytes",
         "l1_entries",
@@ -230,7 +231,7 @@ fn outage_at_the_hard_cap() -> Outage {
     assert!(service.pipeline.persist());
 
     // RocksDB starts failing every write-back batch.
-    service.tiering.faults().set_sticky(Fault::Fail);
+    service.store.faults().set_sticky(Fault::Fail);
     let (messages, events) = traffic.batch(600);
     for ev in &events {
         let _ = reference.apply(ev, 0);
@@ -238,7 +239,7 @@ fn outage_at_the_hard_cap() -> Outage {
     let feeder = {
         let service = service.clone();
         std::thread::spawn(move || {
-            let opts = Config::default().decode_options();
+            let opts = DecodeSettings::from(&Config::default().source);
             // In source-sized batches: L1 may overshoot its cap by one batch at most.
             for chunk in messages.chunks(5) {
                 service.pipeline.ingest_batch(SOURCE, chunk, &opts).unwrap();
@@ -250,7 +251,7 @@ fn outage_at_the_hard_cap() -> Outage {
         "the breaker to open and L1 to reach its hard cap",
         Duration::from_secs(60),
         || {
-            let s = service.tiering.stats();
+            let s = service.spill.stats();
             (s.breaker_open() && s.backpressure).then_some(s)
         },
     );
@@ -282,12 +283,12 @@ fn a_failing_l2_opens_the_breaker_pauses_the_sources_and_loses_nothing() {
     } = outage_at_the_hard_cap();
 
     // L2 heals; once the breaker's pause has run out, everything drains.
-    service.tiering.faults().clear();
+    service.store.faults().clear();
     clock.advance(Duration::from_secs(3));
     feeder.join().unwrap();
     let q = queries(&mut traffic, 32);
     assert_same(&service, &reference, &q, "after the outage");
-    let healed = service.tiering.stats();
+    let healed = service.spill.stats();
     assert!(!healed.breaker_open(), "{healed:?}");
     assert!(healed.breaker_rejections > 0, "{healed:?}");
 }
@@ -314,22 +315,22 @@ fn shutdown_does_not_wait_for_a_failing_l2_at_the_hard_cap() {
 
 /// One tiered shard (`restore_on_read` off) with change tracking, over a fresh store.
 fn tiered_shard(dir: &std::path::Path) -> (Arc<Index>, Arc<Store>) {
-    let opts = StoreOptions {
+    let opts = StoreSettings {
         shards: 1,
         seed: 1,
         sync: false,
     };
     let store = Arc::new(Store::open(dir, &opts).unwrap());
-    let index = Arc::new(Index::new(IndexConfig { shards: 1, seed: 1 }));
+    let index = Arc::new(Index::new(IndexSettings { shards: 1, seed: 1 }));
     {
         let mut shard = index.shard(0).write();
-        shard.enable_tiers(
+        shard.attach_l2(
             store.clone(),
             0,
-            TierSettings {
+            ReadThroughSettings {
                 restore_on_read: false,
             },
-            Arc::new(TierStats::default()),
+            Arc::new(ReadThroughStats::default()),
             false,
         );
         shard.enable_change_tracking();
@@ -360,7 +361,7 @@ fn live_shard(dir: &std::path::Path) -> (Arc<Index>, Arc<Store>, Traffic, Index)
         fleet: fleet(5),
         next_offset: 0,
     };
-    let reference = Index::new(IndexConfig { shards: 1, seed: 1 });
+    let reference = Index::new(IndexSettings { shards: 1, seed: 1 });
     let apply = |traffic: &mut Traffic, n| {
         for ev in traffic.batch(n).1 {
             let _ = index.apply(&ev, 0);
@@ -461,11 +462,11 @@ fn a_live_shard_keeps_what_is_read_in_flight_and_everything_when_the_write_fails
     let faults = sink.handle();
     faults.set_sticky(Fault::Fail);
     let used = l1.bytes_used();
-    let mut ctl = WritebackController::new(
+    let mut ctl = SpillController::new(
         l1.clone(),
         sink,
         Arc::new(CircuitBreaker::new(Arc::new(ManualClock::new()))),
-        WritebackSettings::for_budget(used),
+        SpillSettings::for_budget(used),
     );
     let entries = l1.entry_count();
     let r = ctl.evict();
@@ -486,11 +487,11 @@ fn a_restore_never_brings_back_a_block_removed_since_the_last_commit() {
     let changes = index.shard(0).write().take_changes();
     store.commit(0, &changes, &[]).unwrap();
     let l1 = ShardL1::new(index.clone(), 0);
-    let mut ctl = WritebackController::new(
+    let mut ctl = SpillController::new(
         l1.clone(),
         StoreSink::new(store.clone()),
         Arc::new(CircuitBreaker::new(Arc::new(ManualClock::new()))),
-        WritebackSettings::for_budget(1),
+        SpillSettings::for_budget(1),
     );
     ctl.evict();
     let q = queries(&mut traffic, 200);

@@ -1,16 +1,17 @@
-//! Write-back contract (issue 4): a test-double L1 ([`MemL1`]) over a REAL RocksDB in a
-//! tempdir behind the fault injector, with a manual clock for the breaker.
+//! The spill controller's contract: a test-double L1 ([`MemL1`]) over the production store
+//! (RocksDB in a tempdir) behind the fault injector, with a manual clock for the breaker.
 //!
 //! The invariant checked after (almost) every step: for every key, L1's value if resident,
 //! else L2's durable value, equals the reference model. A key absent from both is absent.
 
 mod support;
 
-use kvindex::writeback::{
-    BreakerState, CircuitBreaker, EmergencyError, Fault, FaultHandle, FaultInjector, L1Tier,
-    L2Error, L2Row, L2Sink, ManualClock, MemL1, RocksSink, RocksSinkOptions, Stop,
-    WritebackController, WritebackSettings,
+use kvindex::spill::testing::{Fault, FaultHandle, FaultInjector, ManualClock, MemL1};
+use kvindex::spill::{
+    BreakerState, CircuitBreaker, EmergencyError, L2Error, L2Row, L2Sink, SpillController, SpillL1,
+    SpillSettings, Stop,
 };
+use kvindex::store::{ROW_BLOCKS, Store, StoreSettings, StoreSink};
 use parking_lot::Mutex;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -19,7 +20,7 @@ use std::time::{Duration, Instant};
 use support::TestRng as Rng;
 
 type Reference = BTreeMap<Vec<u8>, Vec<u8>>;
-type Ctl = WritebackController<Arc<MemL1>, FaultInjector<RocksSink>>;
+type Ctl = SpillController<Arc<MemL1>, FaultInjector<StoreSink>>;
 
 /// Everything a test drives: L1, the controller (owning the fault-injected RocksDB sink), the
 /// fault switchboard, the manual clock, and the reference model.
@@ -32,25 +33,25 @@ struct Rig {
     faults: FaultHandle,
     clock: ManualClock,
     breaker: Arc<CircuitBreaker>,
-    settings: WritebackSettings,
+    settings: SpillSettings,
     reference: Reference,
 }
 
-fn settings(budget: u64) -> WritebackSettings {
-    WritebackSettings {
+fn settings(budget: u64) -> SpillSettings {
+    SpillSettings {
         write_timeout: Duration::from_millis(200),
-        ..WritebackSettings::for_budget(budget)
+        ..SpillSettings::for_budget(budget)
     }
 }
 
 impl Rig {
-    fn new(settings: WritebackSettings) -> Rig {
+    fn new(settings: SpillSettings) -> Rig {
         let tmp = tempfile::tempdir().expect("tempdir");
         let dir = tmp.path().to_path_buf();
         Rig::at(dir, Some(tmp), settings)
     }
 
-    fn at(dir: PathBuf, tmp: Option<tempfile::TempDir>, settings: WritebackSettings) -> Rig {
+    fn at(dir: PathBuf, tmp: Option<tempfile::TempDir>, settings: SpillSettings) -> Rig {
         let clock = ManualClock::new();
         let breaker = Arc::new(CircuitBreaker::new(Arc::new(clock.clone())));
         let l1 = Arc::new(MemL1::new());
@@ -72,8 +73,13 @@ impl Rig {
         self.ctl.as_mut().expect("controller")
     }
 
-    fn sink(&self) -> &RocksSink {
-        self.ctl.as_ref().expect("controller").sink().inner()
+    fn store(&self) -> &Store {
+        self.ctl
+            .as_ref()
+            .expect("controller")
+            .sink()
+            .inner()
+            .store()
     }
 
     fn put(&mut self, key: &[u8], value: &[u8]) {
@@ -87,11 +93,15 @@ impl Rig {
     }
 
     fn l2(&self, key: &[u8]) -> Option<Vec<u8>> {
-        self.sink().get(key).expect("read L2")
+        self.store().l2_row(key).expect("read L2")
     }
 
     fn l2_all(&self) -> Reference {
-        self.sink().scan().expect("scan L2").into_iter().collect()
+        self.store()
+            .l2_rows()
+            .expect("scan L2")
+            .into_iter()
+            .collect()
     }
 
     /// L1 ∪ L2 (L1 wins) equals the reference, key by key.
@@ -138,17 +148,31 @@ fn controller(
     dir: &Path,
     l1: &Arc<MemL1>,
     breaker: &Arc<CircuitBreaker>,
-    settings: &WritebackSettings,
+    settings: &SpillSettings,
 ) -> (Ctl, FaultHandle) {
-    let sink = RocksSink::open(dir, &RocksSinkOptions::default()).expect("open RocksDB");
-    let sink = FaultInjector::new(sink);
+    let sink = FaultInjector::new(l2(dir));
     let faults = sink.handle();
-    let ctl = WritebackController::new(l1.clone(), sink, breaker.clone(), settings.clone());
+    let ctl = SpillController::new(l1.clone(), sink, breaker.clone(), settings.clone());
     (ctl, faults)
 }
 
+/// The production store in `dir`, as the controller's L2.
+fn l2(dir: &Path) -> StoreSink {
+    let settings = StoreSettings {
+        shards: 1,
+        seed: 0,
+        sync: false,
+    };
+    StoreSink::new(Arc::new(
+        Store::open(dir, &settings).expect("open the store"),
+    ))
+}
+
+/// Entry `i`'s key: a block row of the store (the first byte names the row's kind).
 fn key(i: u64) -> Vec<u8> {
-    format!("key-{i:05}").into_bytes()
+    let mut k = vec![ROW_BLOCKS];
+    k.extend_from_slice(format!("key-{i:05}").as_bytes());
+    k
 }
 
 /// Fills `rig` with `n` entries of `value_len` bytes.
@@ -200,7 +224,7 @@ impl<S: L2Sink> L2Sink for Recording<S> {
 fn batches_never_exceed_batch_size() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let sink = Recording {
-        inner: RocksSink::open(tmp.path(), &RocksSinkOptions::default()).expect("open"),
+        inner: l2(tmp.path()),
         sizes: Mutex::new(Vec::new()),
     };
     let l1 = Arc::new(MemL1::new());
@@ -208,7 +232,7 @@ fn batches_never_exceed_batch_size() {
         l1.put(&key(i), &[7; 64]);
     }
     let breaker = Arc::new(CircuitBreaker::new(Arc::new(ManualClock::new())));
-    let mut ctl = WritebackController::new(l1.clone(), sink, breaker, settings(100_000));
+    let mut ctl = SpillController::new(l1.clone(), sink, breaker, settings(100_000));
     let r = ctl.evict();
     let sizes = ctl.sink().sizes.lock().clone();
     assert!(sizes.len() > 5);
@@ -354,7 +378,7 @@ fn entries_changed_or_read_in_flight_are_not_deleted() {
     }
     let meddler = l1.clone();
     let sink = Meddling {
-        inner: RocksSink::open(tmp.path(), &RocksSinkOptions::default()).expect("open"),
+        inner: l2(tmp.path()),
         hook: Mutex::new(Some(Box::new(move || {
             meddler.put(&key(1), b"new"); // changed in flight
             meddler.touch(&key(2)); // read in flight
@@ -365,12 +389,12 @@ fn entries_changed_or_read_in_flight_are_not_deleted() {
     // Ten entries of 60 bytes over a 1000-byte budget with watermarks 0.5 / 0.2: the pass
     // evicts the 7 coldest first (keys 0..=6; 1, 2 and 3 change in flight), then 7, 8 and 9,
     // and stops below 200 bytes with only the changed ones left.
-    let s = WritebackSettings {
+    let s = SpillSettings {
         high_watermark: 0.5,
         low_watermark: 0.2,
         ..settings(1000)
     };
-    let mut ctl = WritebackController::new(l1.clone(), sink, breaker, s);
+    let mut ctl = SpillController::new(l1.clone(), sink, breaker, s);
     let r = ctl.evict();
     assert_eq!(r.stopped, None);
     assert_eq!(r.kept_changed, 3, "{r:?}");
@@ -386,11 +410,11 @@ fn entries_changed_or_read_in_flight_are_not_deleted() {
         Some(None),
         "the tombstone stays until L2 forgets"
     );
-    let l2 = &ctl.sink().inner;
-    assert_eq!(l2.get(&key(1)).expect("get"), Some(b"old".to_vec()));
+    let l2 = ctl.sink().inner.store();
+    assert_eq!(l2.l2_row(&key(1)).expect("get"), Some(b"old".to_vec()));
     for i in [0, 4, 5, 6, 7, 8, 9] {
         assert_eq!(l1.get(&key(i)), None, "key {i} evicted");
-        assert_eq!(l2.get(&key(i)).expect("get"), Some(b"old".to_vec()));
+        assert_eq!(l2.l2_row(&key(i)).expect("get"), Some(b"old".to_vec()));
     }
     assert_eq!(ctl.stats().entries_kept_changed, 3);
     // A flush writes the new value and the tombstone (which then leaves L1: L2 forgot too).
@@ -400,9 +424,9 @@ fn entries_changed_or_read_in_flight_are_not_deleted() {
     assert_eq!((r.written, r.stopped), (3, None));
     assert_eq!(l1.entry_count(), 2);
     assert_eq!(l1.is_dirty(&key(1)), Some(false));
-    let l2 = &ctl.sink().inner;
-    assert_eq!(l2.get(&key(1)).expect("get"), Some(b"new".to_vec()));
-    assert_eq!(l2.get(&key(3)).expect("get"), None);
+    let l2 = ctl.sink().inner.store();
+    assert_eq!(l2.l2_row(&key(1)).expect("get"), Some(b"new".to_vec()));
+    assert_eq!(l2.l2_row(&key(3)).expect("get"), None);
 }
 
 #[test]
@@ -808,12 +832,12 @@ impl Drop for Unmount {
 #[ignore = "a measurement, not a check"]
 fn throughput_128_key_batches() {
     let tmp = tempfile::tempdir().expect("tempdir");
-    let sink = RocksSink::open(tmp.path(), &RocksSinkOptions::default()).expect("open");
+    let sink = l2(tmp.path());
     let total = 256 * 1024u64;
     let batches: Vec<Vec<L2Row>> = (0..total / 128)
         .map(|b| {
             (b * 128..(b + 1) * 128)
-                .map(|i| L2Row::put(format!("{i:024}"), [0x5a; 48]))
+                .map(|i| L2Row::put(format!("b{i:023}"), [0x5a; 48]))
                 .collect()
         })
         .collect();
@@ -830,17 +854,17 @@ fn throughput_128_key_batches() {
     let l1 = Arc::new(MemL1::new());
     let n = 65_536u64;
     for i in 0..n {
-        l1.put(format!("e{i:023}").as_bytes(), &[0x5a; 48]);
+        l1.put(format!("b{i:023}").as_bytes(), &[0x5a; 48]);
     }
     let breaker = Arc::new(CircuitBreaker::new(Arc::new(ManualClock::new())));
     let budget = l1.bytes_used() / 3;
-    let mut ctl = WritebackController::new(l1.clone(), sink, breaker, settings(budget));
+    let mut ctl = SpillController::new(l1.clone(), sink, breaker, settings(budget));
     let start = Instant::now();
     let r = ctl.evict();
     let took = start.elapsed();
     assert_eq!(r.stopped, None);
     eprintln!(
-        "evict pass (MemL1 + controller + RocksDB): {} entries in {took:?}: {:.0} entries/s",
+        "evict pass (MemL1 + controller + the store): {} entries in {took:?}: {:.0} entries/s",
         r.written,
         r.written as f64 / took.as_secs_f64()
     );

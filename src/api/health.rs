@@ -18,22 +18,22 @@ pub async fn healthz() -> Json<Value> {
 }
 
 /// 200 `{"ready": true}` once `state.ready` is set; before that 503 with a `reason` and, when
-/// the sources report one, their `lag`.
+/// there is a source, its `lag`.
 pub async fn readyz(State(state): State<AppState>) -> Response {
     if state.ready.load(Acquire) {
         return Json(json!({ "ready": true })).into_response();
     }
     let mut body = json!({ "ready": false, "reason": "sources have not caught up yet" });
-    if let Some(lag) = (state.sources)().get("lag") {
-        body["lag"] = lag.clone();
+    if let Some(sources) = &state.sources {
+        body["lag"] = sources.source_status().lag.into();
     }
     (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response()
 }
 
 pub async fn metrics(State(state): State<AppState>) -> Response {
     let mut text = state.metrics.render(&state.index.stats());
-    if let Some(w) = &state.writeback {
-        w.stats().render_prometheus(&mut text);
+    if let Some(spill) = &state.spill {
+        spill.stats().render_prometheus(&mut text);
     }
     ([(header::CONTENT_TYPE, PROMETHEUS_CONTENT_TYPE)], text).into_response()
 }

@@ -9,7 +9,10 @@ pub mod request;
 pub mod stats;
 
 use crate::index::Index;
+use crate::ingest::{SourceReport, SourceStatus};
 use crate::metrics::Metrics;
+use crate::pipeline::Spill;
+use crate::service::Service;
 use axum::Router;
 use axum::extract::{DefaultBodyLimit, Request};
 use axum::middleware::{self, Next};
@@ -43,21 +46,22 @@ pub const ROUTES: &[(&str, &str)] = &[
 pub struct AppState {
     pub index: Arc<Index>,
     pub metrics: Arc<Metrics>,
-    /// Set true once sources have caught up (the sources issue drives it); /readyz reads it.
+    /// Set true once the source has caught up (by the ingest loop); `/readyz` reads it.
     pub ready: Arc<AtomicBool>,
     /// Block size for token lookups when neither the request nor learned model block size gives one.
     pub default_block_size: u32,
-    /// Extra JSON merged into /v1/stats under "sources" (filled by the sources issue later); a
-    /// closure so it is computed per request. A `"lag"` member is also shown by /readyz.
-    pub sources: Arc<dyn Fn() -> serde_json::Value + Send + Sync>,
+    /// The event source's status, for `/v1/stats` (`sources`) and `/readyz` (`lag`); `None`
+    /// without a source.
+    pub sources: Option<Arc<dyn SourceStatusView>>,
     /// Max request body bytes (default 1 MiB).
     pub max_body_bytes: usize,
-    /// The bounded L1's write-back, for `/v1/stats` and `/metrics` (`None`: in-memory index).
-    pub writeback: Option<Arc<crate::writeback::Tiering>>,
+    /// The bounded L1 and its spill to L2, for `/v1/stats` (`writeback`) and `/metrics`
+    /// (`None`: an index without a store behind it).
+    pub spill: Option<Arc<Spill>>,
 }
 
 impl AppState {
-    /// A state with the defaults: not ready, [`DEFAULT_BLOCK_SIZE`], sources `{}`,
+    /// A state with the defaults: not ready, [`DEFAULT_BLOCK_SIZE`], no source,
     /// [`DEFAULT_MAX_BODY_BYTES`].
     pub fn new(index: Arc<Index>, metrics: Arc<Metrics>) -> AppState {
         AppState {
@@ -65,10 +69,39 @@ impl AppState {
             metrics,
             ready: Arc::new(AtomicBool::new(false)),
             default_block_size: DEFAULT_BLOCK_SIZE,
-            sources: Arc::new(|| serde_json::json!({})),
+            sources: None,
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
-            writeback: None,
+            spill: None,
         }
+    }
+
+    /// The state over a running `service`, with the source's status from `sources`.
+    pub fn over(service: &Service, sources: Option<Arc<dyn SourceStatusView>>) -> AppState {
+        let mut state = AppState::new(service.index.clone(), service.metrics.clone());
+        state.ready = service.ready.clone();
+        state.default_block_size = service.config.index.default_block_size;
+        state.max_body_bytes = service.config.http.max_body_bytes;
+        state.spill = Some(service.spill.clone());
+        state.sources = sources;
+        state
+    }
+}
+
+/// Where the API reads the event source's status: the ingest loop's [`SourceReport`] in the
+/// service; a fixed [`SourceStatus`] in tests and tools.
+pub trait SourceStatusView: Send + Sync {
+    fn source_status(&self) -> SourceStatus;
+}
+
+impl SourceStatusView for SourceReport {
+    fn source_status(&self) -> SourceStatus {
+        self.status()
+    }
+}
+
+impl SourceStatusView for SourceStatus {
+    fn source_status(&self) -> SourceStatus {
+        self.clone()
     }
 }
 

@@ -4,10 +4,12 @@
 use super::AppState;
 use crate::event::{PartitionKey, Tier};
 use crate::index::EngineInfo;
+use crate::ingest::SourceStatus;
+use crate::spill::SpillStats;
 use axum::Json;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
-use serde::Serialize;
+use serde::{Serialize, Serializer};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::Ordering::Relaxed;
 
@@ -91,7 +93,7 @@ struct PartitionRow<'a> {
 }
 
 #[derive(Serialize)]
-struct IndexSection<'a> {
+struct IndexConfig<'a> {
     shards: usize,
     partitions: Vec<PartitionRow<'a>>,
     block_entries: u64,
@@ -119,20 +121,23 @@ struct LookupsSection {
 
 #[derive(Serialize)]
 struct StatsResponse<'a> {
-    index: IndexSection<'a>,
+    index: IndexConfig<'a>,
     events: EventsSection,
     lookups: LookupsSection,
-    sources: serde_json::Value,
-    /// L1 / L2 sizes, write-back counters and the breaker (absent for an in-memory index).
+    /// `{}` without a source.
+    #[serde(serialize_with = "empty_if_none")]
+    sources: Option<SourceStatus>,
+    /// L1 / L2 sizes, write-back counters and the breaker (absent for an index without a
+    /// store behind it).
     #[serde(skip_serializing_if = "Option::is_none")]
-    writeback: Option<crate::writeback::WritebackStats>,
+    writeback: Option<SpillStats>,
 }
 
 pub async fn stats(State(state): State<AppState>) -> Response {
     let s = state.index.stats();
     let m = &state.metrics;
     let body = StatsResponse {
-        index: IndexSection {
+        index: IndexConfig {
             shards: s.shards,
             partitions: s
                 .partitions
@@ -161,8 +166,16 @@ pub async fn stats(State(state): State<AppState>) -> Response {
             total: m.lookups.load(Relaxed),
             errors: m.lookup_errors.load(Relaxed),
         },
-        sources: (state.sources)(),
-        writeback: state.writeback.as_ref().map(|w| w.stats()),
+        sources: state.sources.as_ref().map(|s| s.source_status()),
+        writeback: state.spill.as_ref().map(|s| s.stats()),
     };
     Json(&body).into_response()
+}
+
+/// A missing section as `{}`, so clients can always index into it.
+fn empty_if_none<S: Serializer, T: Serialize>(v: &Option<T>, s: S) -> Result<S::Ok, S::Error> {
+    match v {
+        Some(v) => v.serialize(s),
+        None => serde_json::Map::new().serialize(s),
+    }
 }

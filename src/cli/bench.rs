@@ -1,7 +1,7 @@
 //! `kvindex bench replay`: runs [`kvindex::replay`] and prints its figures.
 
 use anyhow::{Context, bail};
-use kvindex::replay::{self, RunReport};
+use kvindex::bench::trace::{self, RunReport};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -46,7 +46,7 @@ pub fn replay(args: ReplayArgs) -> anyhow::Result<()> {
     if args.repeat == 0 || args.shards == 0 {
         bail!("--repeat and --shards must be at least 1");
     }
-    let trace = replay::load(&args.file, args.lines)
+    let trace = trace::load(&args.file, args.lines)
         .with_context(|| format!("loading {}", args.file.display()))?;
     println!(
         "trace {}: {} ops, {} finds, {} block ops; shards {}",
@@ -58,7 +58,7 @@ pub fn replay(args: ReplayArgs) -> anyhow::Result<()> {
     );
     let mut runs = Vec::new();
     for i in 0..args.repeat {
-        let r = replay::run(&trace, args.shards, args.seed)?;
+        let r = trace::run(&trace, args.shards, args.seed)?;
         if r.skipped > 0 {
             println!("note: {} events skipped (see logs)", r.skipped);
         }
@@ -73,7 +73,7 @@ pub fn replay(args: ReplayArgs) -> anyhow::Result<()> {
     let median = &runs[runs.len() / 2];
     print_run("median", median);
     println!("0 mismatches in {} finds per run", trace.finds);
-    if let Some(rss) = replay::peak_rss_bytes() {
+    if let Some(rss) = trace::peak_rss_bytes() {
         println!("peak RSS {:.1} MiB", rss as f64 / (1 << 20) as f64);
     }
     Ok(())

@@ -9,9 +9,10 @@
 
 use anyhow::{Context, bail};
 use kvindex::config::Config;
+use kvindex::event::DecodeSettings;
 use kvindex::event::{BlockContent, EngineHash, Event, EventKind, encode};
-use kvindex::produce::{Fleet, FleetConfig};
 use kvindex::service::{Service, store_dir};
+use kvindex::sim::{Fleet, FleetSettings};
 use kvindex::source::Message;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
@@ -58,7 +59,7 @@ pub fn build_once(data_dir: &Path, memberships: u64, history: u64) -> anyhow::Re
 
 /// Feeds `events` (one message each) through the pipeline at `*offset`.
 fn feed(service: &Service, events: Vec<Event>, offset: &mut i64) -> anyhow::Result<()> {
-    let opts = service.config.decode_options();
+    let opts = DecodeSettings::from(&service.config.source);
     let messages: Vec<Message> = events
         .chunk_by(|a, b| a.engine == b.engine)
         .map(|run| {
@@ -75,7 +76,7 @@ fn feed(service: &Service, events: Vec<Event>, offset: &mut i64) -> anyhow::Resu
 }
 
 /// A store of one block by `engine` and its removal: history without growth.
-fn churn_pair(fleet_cfg: &FleetConfig, engine: &str, i: u64) -> [Event; 2] {
+fn churn_pair(fleet_cfg: &FleetSettings, engine: &str, i: u64) -> [Event; 2] {
     let partition = kvindex::event::PartitionKey::new("", "model-0", "");
     let hash = EngineHash(i.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
     let mut stored = Event::new(EventKind::Stored, engine, partition.clone());
@@ -98,12 +99,12 @@ fn churn_pair(fleet_cfg: &FleetConfig, engine: &str, i: u64) -> [Event; 2] {
 fn build(data_dir: &Path, memberships: u64, history: u64) -> anyhow::Result<()> {
     let service = Service::open(config(data_dir), None)?;
     let engines = memberships.div_ceil(CAPACITY as u64).max(1) as usize;
-    let fleet_cfg = FleetConfig {
+    let fleet_cfg = FleetSettings {
         engines,
         adapters: 0,
         capacity_blocks: CAPACITY,
         clear_every: u64::MAX,
-        ..FleetConfig::default()
+        ..FleetSettings::default()
     };
     let mut fleet = Fleet::new(fleet_cfg.clone());
     let started = Instant::now();

@@ -5,5 +5,5 @@ pub mod bench_http;
 pub mod bench_restart;
 pub mod bench_setup;
 pub mod produce;
-pub mod replay;
+pub mod rebuild;
 pub mod serve;

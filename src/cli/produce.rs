@@ -15,9 +15,8 @@
 
 use anyhow::Context;
 use kvindex::event::{Event, EventKind, Format, encode};
-use kvindex::produce::{Fleet, FleetConfig, FleetStats};
-use kvindex::source::KafkaPublisher;
-use kvindex::source::nats::NatsPublisher;
+use kvindex::sim::{Fleet, FleetSettings, FleetStats};
+use kvindex::source::{KafkaPublisher, NatsPublisher, labels, nats};
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::PathBuf;
@@ -264,18 +263,6 @@ enum Sink {
     },
 }
 
-/// A NATS subject token for `engine`: subject separators and wildcards become `_`.
-fn subject_token(engine: &str) -> String {
-    engine
-        .chars()
-        .map(|c| match c {
-            '.' | '*' | '>' => '_',
-            c if c.is_whitespace() => '_',
-            c => c,
-        })
-        .collect()
-}
-
 impl Sink {
     async fn open(args: &ProduceArgs) -> anyhow::Result<Sink> {
         if let Some(brokers) = &args.kafka {
@@ -325,10 +312,11 @@ impl Sink {
     }
 
     async fn send(&mut self, p: Payload) -> anyhow::Result<()> {
-        let headers: Vec<(&str, &str)> = match &p.headers {
-            Some((model, tenant)) => vec![("model", model), ("tenant", tenant)],
-            None => Vec::new(),
-        };
+        let labels = p
+            .headers
+            .as_ref()
+            .map(|(model, tenant)| labels(model, tenant));
+        let headers: &[(&str, &str)] = labels.as_ref().map_or(&[], |l| l.as_slice());
         match self {
             Sink::Discard => {}
             Sink::Writer { w, json: true } => {
@@ -345,11 +333,11 @@ impl Sink {
                 if publisher.failed() > 0 {
                     anyhow::bail!("kafka: {} messages were not delivered", publisher.failed());
                 }
-                publisher.send(Some(&p.engine), &headers, &p.bytes).await?
+                publisher.send(Some(&p.engine), headers, &p.bytes).await?
             }
             Sink::Nats { publisher, prefix } => {
-                let subject = format!("{prefix}.{}", subject_token(&p.engine));
-                publisher.send(&subject, &headers, p.bytes).await?;
+                let subject = nats::wire::subject_for(prefix, &p.engine);
+                publisher.send(&subject, headers, p.bytes).await?;
             }
         }
         Ok(())
@@ -370,15 +358,15 @@ impl Sink {
     }
 }
 
-fn fleet_config(args: &ProduceArgs) -> FleetConfig {
-    FleetConfig {
+fn fleet_config(args: &ProduceArgs) -> FleetSettings {
+    FleetSettings {
         engines: args.engines,
         adapters: args.adapters,
         tenants: args.tenants,
         models: args.models,
         block_size: args.block_size,
         seed: args.seed,
-        ..FleetConfig::default()
+        ..FleetSettings::default()
     }
 }
 

@@ -8,8 +8,8 @@ use kvindex::config::{Config, Overrides, SourceKind};
 use kvindex::event::encode;
 use kvindex::index::QueryBlocks;
 use kvindex::ingest::{Ingest, SourceReport};
-use kvindex::produce::{Fleet, FleetConfig};
-use kvindex::service::{Service, SourceSetup, StartOptions};
+use kvindex::service::{Service, SourceSetup, StartSettings};
+use kvindex::sim::{Fleet, FleetSettings};
 use kvindex::source::{EmbeddedBroker, KafkaPublisher};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -76,7 +76,7 @@ struct Running {
 
 impl Running {
     fn start(config: Config, reset_on_divergence: bool) -> anyhow::Result<Running> {
-        let opts = StartOptions {
+        let opts = StartSettings {
             reset_on_divergence,
         };
         let setup = SourceSetup::from_config(&config, &opts).context("starting the source")?;
@@ -130,7 +130,7 @@ async fn run_http(
         .await
         .with_context(|| format!("binding http.listen {listen}"))?;
     let addr = listener.local_addr()?;
-    let state = service.app_state(Some(running.report.clone()));
+    let state = api::AppState::over(service, Some(running.report.clone()));
     tracing::info!(%addr, shards = service.index.shard_count(), "kvindex listening");
     println!("kvindex listening on http://{addr}");
     api::serve(listener, state, shutdown)
@@ -204,11 +204,11 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<()> {
         &running.service.config.source.kafka.topic,
         &Default::default(),
     )?;
-    let fleet_cfg = FleetConfig {
+    let fleet_cfg = FleetSettings {
         engines: args.engines,
         adapters: args.adapters,
         seed: args.seed,
-        ..FleetConfig::default()
+        ..FleetSettings::default()
     };
     let mut fleet = Fleet::new(fleet_cfg);
     // Warm the index through the broker so the first curl already finds prefixes.
@@ -222,7 +222,7 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<()> {
 
     // Show a query whose answer is interesting: engines holding prefixes of different lengths.
     let index = &running.service.index;
-    let block_size = FleetConfig::default().block_size;
+    let block_size = FleetSettings::default().block_size;
     let (partition, tokens) = (0..64)
         .map(|_| fleet.sample_query())
         .max_by_key(|(partition, tokens)| {

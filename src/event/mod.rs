@@ -4,14 +4,14 @@
 //! `KVEventBatch`); each decoder in this module turns its bytes into these plain Rust values, so
 //! nothing downstream knows or cares which wire format an event came from.
 
-pub mod detect;
+pub mod decode;
 pub mod encode;
 pub mod json;
 pub mod proto;
 mod proto_fast;
 pub mod vllm;
 
-pub use detect::{DecodeOptions, Decoded, Format, VllmOptions, decode_payload};
+pub use decode::{DecodeSettings, Decoded, Format, VllmSettings, decode_payload};
 
 use std::fmt;
 
@@ -177,7 +177,7 @@ impl Event {
         }
     }
 
-    /// The DESIGN's eviction-scope rule: `scoped = adapter_scoped || adapter != ""`.
+    /// The eviction-scope rule: `scoped = adapter_scoped || adapter != ""`.
     pub fn is_scoped(&self) -> bool {
         self.adapter_scoped || !self.partition.adapter.is_empty()
     }

@@ -19,8 +19,8 @@
 //!
 //! vLLM payloads name neither engine nor model: the engine comes from [`Envelope::engine`]
 //! (suffixed with the batch's dp rank, see [`engine_id`]), model and tenant from the envelope
-//! or else [`VllmOptions`]. The adapter is `lora_name` when set, else `lora_id` mapped through
-//! [`VllmOptions::lora_names`]; an unmapped `lora_id` fails closed: that event is dropped and
+//! or else [`VllmSettings`]. The adapter is `lora_name` when set, else `lora_id` mapped through
+//! [`VllmSettings::lora_names`]; an unmapped `lora_id` fails closed: that event is dropped and
 //! reported as [`DecodeError::UnmappedLora`] (logged once per id per process).
 //!
 //! # Hostile input
@@ -47,7 +47,7 @@ pub const MAX_DEPTH: usize = 32;
 
 /// Context vLLM payloads lack, from the source's `[source.vllm]` configuration.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct VllmOptions {
+pub struct VllmSettings {
     /// Model for payloads whose envelope has no `model` header.
     pub model: Option<String>,
     /// Tenant for payloads whose envelope has no `tenant` header.
@@ -61,7 +61,7 @@ pub struct VllmOptions {
 pub fn decode(
     bytes: &[u8],
     env: &Envelope<'_>,
-    opts: &VllmOptions,
+    opts: &VllmSettings,
 ) -> Result<(Vec<Event>, Vec<DecodeError>), DecodeError> {
     if bytes.is_empty() {
         return Err(DecodeError::Empty);

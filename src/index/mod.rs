@@ -2,9 +2,8 @@
 //! and the lookup that merges shards into one answer.
 //!
 //! Shard choice: an event goes to the shard of `hash(tenant, model, engine)`. Sharding by the
-//! partition key alone (as DESIGN.md first sketched) leaves every core but one idle in the
-//! common single-model, no-LoRA deployment; keying by engine spreads even one partition over
-//! all shards. Leaving the adapter out keeps every adapter partition of one engine's
+//! partition key alone leaves every core but one idle in the common single-model, no-LoRA
+//! deployment; keying by engine spreads even one partition over all shards. Leaving the adapter out keeps every adapter partition of one engine's
 //! (tenant, model) in one shard, so the adapter-agnostic events (`ALL_CLEARED`, unscoped
 //! evictions) also have exactly one shard to go to, in source order, with no broadcast; and
 //! each engine's chains and hash maps live in one shard, so parents resolve locally. A lookup
@@ -13,10 +12,12 @@
 pub mod changes;
 pub mod hash;
 pub mod holders;
+pub mod l1;
 pub mod shard;
 pub mod table;
 
 pub use changes::{BlockChange, ChangeSet, EngineChange, MapChange};
+pub use l1::ShardL1;
 pub use shard::{RawMatch, Shard, SkipReason};
 
 use crate::event::{EngineHash, Event, PartitionKey, Tier};
@@ -26,18 +27,29 @@ use std::sync::Arc;
 
 /// Index-wide settings.
 #[derive(Clone, Debug)]
-pub struct IndexConfig {
+pub struct IndexSettings {
     /// Number of shards (and shard workers).
     pub shards: usize,
     /// Seed of every chain hash; all kvindex replicas that share answers must share it.
     pub seed: u64,
 }
 
-impl Default for IndexConfig {
+impl Default for IndexSettings {
     fn default() -> Self {
-        IndexConfig {
-            shards: std::thread::available_parallelism().map_or(1, |n| n.get()),
-            seed: 0x6b76_696e_6465_7831,
+        IndexSettings::from(&crate::config::IndexConfig::default())
+    }
+}
+
+/// `[index]`: `shards = 0` is the number of cores.
+impl From<&crate::config::IndexConfig> for IndexSettings {
+    fn from(c: &crate::config::IndexConfig) -> Self {
+        let shards = match c.shards {
+            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            n => n,
+        };
+        IndexSettings {
+            shards,
+            seed: c.seed,
         }
     }
 }
@@ -147,20 +159,20 @@ pub struct IndexStats {
 /// The sharded in-memory index. Cheap to share behind an `Arc`.
 pub struct Index {
     shards: Vec<RwLock<Shard>>,
-    config: IndexConfig,
+    config: IndexSettings,
     /// Block size each (tenant, model) was last seen storing token chains with, so token
     /// lookups need not name it. Written only when it changes, so the read path stays cheap.
     block_sizes: RwLock<hashbrown::HashMap<(String, String), u32>>,
 }
 
 impl Index {
-    pub fn new(config: IndexConfig) -> Index {
+    pub fn new(config: IndexSettings) -> Index {
         let n = config.shards.max(1);
         Index {
             shards: (0..n)
                 .map(|_| RwLock::new(Shard::new(config.seed)))
                 .collect(),
-            config: IndexConfig {
+            config: IndexSettings {
                 shards: n,
                 ..config
             },
@@ -188,7 +200,7 @@ impl Index {
             .copied()
     }
 
-    pub fn config(&self) -> &IndexConfig {
+    pub fn config(&self) -> &IndexSettings {
         &self.config
     }
 

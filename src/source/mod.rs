@@ -1,21 +1,33 @@
-//! Sources: where payloads come from, with their positions. Each source delivers
-//! [`Message`]s in per-partition order, starts each partition where kvindex's own checkpoint
-//! says (never the broker's), and acknowledges upstream only what is already durable.
+//! Sources: where payloads come from, with their positions, and how they get there. Each
+//! source delivers [`Message`]s in per-partition order, starts each partition where kvindex's
+//! own checkpoint says (never the broker's), and acknowledges upstream only what is already
+//! durable. Every transport implements [`EventSource`], the one API the ingest loop drives.
 //!
-//! - `kafka.rs`: Kafka consumer (rdkafka), group or explicit partitions.
-//! - `embedded.rs`: the in-process Kafka-protocol broker (librdkafka's mock cluster).
-//! - `nats.rs`: NATS JetStream pull consumer, or core NATS subjects (at-most-once).
+//! One folder per transport, both directions in it (consumer, publisher, and the engine
+//! contract in `wire.rs`):
+//! - [`kafka`]: the rdkafka consumer (group or explicit partitions), the publisher, and the
+//!   embedded Kafka-protocol broker (librdkafka's mock cluster);
+//! - [`nats`]: the JetStream pull consumer, or core NATS subjects (at-most-once), and the
+//!   publisher.
 
-pub mod embedded;
 pub mod kafka;
 pub mod nats;
-pub mod produce_kafka;
 
-pub use embedded::EmbeddedBroker;
-pub use kafka::{KafkaSettings, KafkaSource};
-pub use produce_kafka::KafkaPublisher;
+pub use kafka::{EmbeddedBroker, KafkaPublisher, KafkaSettings, KafkaSource};
+pub use nats::{NatsPublisher, NatsSettings, NatsSource};
 
+use std::sync::Arc;
 use std::time::Duration;
+
+/// Header naming the model of a payload that names none itself (vLLM's), on every transport.
+pub const MODEL_HEADER: &str = "model";
+/// Header naming the tenant of a payload that names none itself.
+pub const TENANT_HEADER: &str = "tenant";
+
+/// The headers a publisher sends with a payload that names neither its model nor its tenant.
+pub fn labels<'a>(model: &'a str, tenant: &'a str) -> [(&'static str, &'a str); 2] {
+    [(MODEL_HEADER, model), (TENANT_HEADER, tenant)]
+}
 
 /// One payload and where it came from.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -90,3 +102,78 @@ pub enum SourceError {
 
 /// How long a poll may wait for the first message before returning an empty batch.
 pub const DEFAULT_POLL_WAIT: Duration = Duration::from_millis(100);
+
+/// What the ingest loop needs of a source, whichever transport it reads. Offsets are
+/// `(partition, next offset)`; NATS has one partition, 0, whose offsets are stream sequences.
+#[allow(async_fn_in_trait)] // driven on one current-thread runtime: no `Send` bound needed
+pub trait EventSource: Sized {
+    /// How to reach it.
+    type Settings;
+
+    /// Connects and positions every partition it is given from `checkpoints` (or the
+    /// configured start where none is stored).
+    async fn connect(
+        settings: Self::Settings,
+        checkpoints: Arc<dyn Checkpoints>,
+    ) -> Result<Self, SourceError>;
+
+    /// The source's key in the checkpoint store (`kafka:<topic>`, `nats:<stream>`).
+    fn name(&self) -> String;
+
+    /// Up to `max` messages in per-partition order, waiting at most `wait` for the first: an
+    /// empty batch means "nothing right now" (also while the broker is unreachable).
+    async fn next_batch(&mut self, max: usize, wait: Duration)
+    -> Result<Vec<Message>, SourceError>;
+
+    /// Partitions whose checkpoint was abandoned (`reset_on_divergence`) since the last call:
+    /// the caller forgets what it applied of them before it applies their next messages.
+    fn take_resets(&mut self) -> Vec<i32>;
+
+    /// Acknowledges upstream (Kafka group commit, JetStream ack) everything below each
+    /// `(partition, next offset)`. Call only for durable state.
+    async fn commit(&mut self, durable: &[(i32, i64)]) -> Result<(), SourceError>;
+
+    /// The partitions it holds: positions, watermarks, divergences.
+    fn status(&self) -> Vec<PartitionStatus>;
+
+    /// Each held partition's log end when it was first positioned: caught up = applied past
+    /// it. Empty until partitions are assigned.
+    fn high_watermarks_at_start(&self) -> Vec<(i32, i64)>;
+
+    /// Divergences detected since connecting.
+    fn divergences_total(&self) -> u64;
+
+    /// Sends what is still buffered (the last acknowledgements). Call after the last `commit`.
+    async fn close(&mut self);
+}
+
+/// How to reach the configured source.
+#[derive(Clone, Debug)]
+pub enum SourceSpec {
+    /// Kafka; `embedded`: the in-process broker (reported as kind `embedded`).
+    Kafka {
+        settings: KafkaSettings,
+        embedded: bool,
+    },
+    Nats(NatsSettings),
+}
+
+impl SourceSpec {
+    /// The checkpoint key of the source (`kafka:<topic>` / `nats:<stream>`).
+    pub fn name(&self) -> String {
+        match self {
+            SourceSpec::Kafka { settings, .. } => format!("kafka:{}", settings.topic),
+            SourceSpec::Nats(s) => format!("nats:{}", s.stream),
+        }
+    }
+
+    /// What `/v1/stats` calls it: `embedded`, `kafka`, `nats` or `nats-core`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            SourceSpec::Kafka { embedded: true, .. } => "embedded",
+            SourceSpec::Kafka { .. } => "kafka",
+            SourceSpec::Nats(s) if s.jetstream => "nats",
+            SourceSpec::Nats(_) => "nats-core",
+        }
+    }
+}

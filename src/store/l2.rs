@@ -9,24 +9,29 @@
 use super::codec::*;
 use super::{Store, StoreError};
 use crate::event::{PartitionKey, Tier};
-use crate::index::shard::{L2ReadError, L2Reader, StoredBlock};
-use crate::writeback::{L2Error, L2Row, L2Sink};
+use crate::spill::{L2Error, L2ReadError, L2Reader, L2Row, L2Sink, StoredBlock};
 use rocksdb::WriteBatch;
 use std::sync::Arc;
 use std::time::Instant;
 
-const ROW_BLOCKS: u8 = b'b';
-const ROW_MAPS: u8 = b'm';
+/// First byte of a write-back row key: the row belongs to the blocks column family.
+pub const ROW_BLOCKS: u8 = b'b';
+/// First byte of a write-back row key: the row belongs to the engine-maps column family.
+pub const ROW_MAPS: u8 = b'm';
 
 fn read_error(e: StoreError) -> L2ReadError {
     L2ReadError(e.to_string())
 }
 
-fn tagged_key(tag: u8, key: &[u8]) -> Vec<u8> {
-    let mut k = Vec::with_capacity(1 + key.len());
-    k.push(tag);
-    k.extend_from_slice(key);
-    k
+/// A RocksDB error as the spill seam reports it: busy refusals apart from real failures.
+pub(super) fn l2_error(e: rocksdb::Error) -> L2Error {
+    use rocksdb::ErrorKind;
+    match e.kind() {
+        ErrorKind::Busy | ErrorKind::TryAgain | ErrorKind::Incomplete | ErrorKind::TimedOut => {
+            L2Error::Busy(Box::new(e))
+        }
+        _ => L2Error::Failed(Box::new(e)),
+    }
 }
 
 impl L2Reader for Store {
@@ -90,12 +95,12 @@ impl L2Reader for Store {
         for &(e, tier) in holders {
             push_holder(&mut value, e, tier);
         }
-        L2Row::put(tagged_key(ROW_BLOCKS, &block_key(shard, key)), value)
+        L2Row::put(tagged(ROW_BLOCKS, &block_key(shard, key)), value)
     }
 
     fn map_row(&self, shard: u16, engine: u32, partition: u32, hash: u64, block: u64) -> L2Row {
         L2Row::put(
-            tagged_key(ROW_MAPS, &map_key(shard, engine, partition, hash)),
+            tagged(ROW_MAPS, &map_key(shard, engine, partition, hash)),
             block.to_be_bytes(),
         )
     }
@@ -139,20 +144,49 @@ impl Store {
             .sum()
     }
 
+    /// The value L2 holds for a tagged row key (see the module docs), as write-back wrote it
+    /// (diagnostics and tests).
+    pub fn l2_row(&self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
+        let cf = match key.first() {
+            Some(&ROW_BLOCKS) => self.cf(CF_BLOCKS)?,
+            Some(&ROW_MAPS) => self.cf(CF_MAPS)?,
+            _ => return Ok(None),
+        };
+        Ok(self.db.get_cf(cf, &key[1..])?)
+    }
+
+    /// Every block and engine-map row, by tagged key in key order (diagnostics and tests; a
+    /// full scan).
+    pub fn l2_rows(&self) -> Result<Vec<(Vec<u8>, Vec<u8>)>, StoreError> {
+        let mut rows = Vec::new();
+        for (tag, cf) in [(ROW_BLOCKS, CF_BLOCKS), (ROW_MAPS, CF_MAPS)] {
+            self.scan(cf, &[], |k, v| {
+                rows.push((tagged(tag, k), v.to_vec()));
+                Ok(())
+            })?;
+        }
+        Ok(rows)
+    }
+
     /// Writes tagged write-back rows (see the module docs) in one atomic batch.
     pub fn write_rows(&self, rows: &[L2Row]) -> Result<(), L2Error> {
         let blocks = self
             .cf(CF_BLOCKS)
-            .map_err(|_| L2Error::MissingColumnFamily(CF_BLOCKS.into()))?;
+            .map_err(|e| L2Error::Unplaceable(e.to_string()))?;
         let maps = self
             .cf(CF_MAPS)
-            .map_err(|_| L2Error::MissingColumnFamily(CF_MAPS.into()))?;
+            .map_err(|e| L2Error::Unplaceable(e.to_string()))?;
         let mut batch = WriteBatch::default();
         for row in rows {
             let cf = match row.key.first() {
                 Some(&ROW_BLOCKS) => blocks,
                 Some(&ROW_MAPS) => maps,
-                _ => return Err(L2Error::MissingColumnFamily(hex::encode(&row.key))),
+                _ => {
+                    return Err(L2Error::Unplaceable(format!(
+                        "row key {} names no column family",
+                        hex::encode(&row.key)
+                    )));
+                }
             };
             let key = &row.key[1..];
             match &row.value {
@@ -160,9 +194,7 @@ impl Store {
                 None => batch.delete_cf(cf, key),
             }
         }
-        self.db
-            .write_opt(batch, &self.write_opts)
-            .map_err(L2Error::from_rocks)
+        self.db.write_opt(batch, &self.write_opts).map_err(l2_error)
     }
 }
 
@@ -176,13 +208,29 @@ impl StoreSink {
     pub fn new(store: Arc<Store>) -> StoreSink {
         StoreSink { store }
     }
+
+    /// The store it writes to.
+    pub fn store(&self) -> &Arc<Store> {
+        &self.store
+    }
 }
 
 impl L2Sink for StoreSink {
     fn write_batch(&self, rows: &[L2Row], deadline: Instant) -> Result<(), L2Error> {
+        #[cfg(any(test, feature = "testing"))]
+        return self
+            .store
+            .faults
+            .intercept(rows, deadline, |rows| self.write_now(rows, deadline));
+        #[cfg(not(any(test, feature = "testing")))]
+        self.write_now(rows, deadline)
+    }
+}
+
+impl StoreSink {
+    fn write_now(&self, rows: &[L2Row], deadline: Instant) -> Result<(), L2Error> {
         // A RocksDB write cannot be cut short once started: only do not start one late.
-        let now = Instant::now();
-        if now >= deadline {
+        if Instant::now() >= deadline {
             return Err(L2Error::DeadlineExceeded {
                 waited: std::time::Duration::ZERO,
             });

@@ -2,12 +2,20 @@
 //! and the warm reload of the in-memory index at restart.
 //!
 //! # What is stored
-//! Each shard commits the rows its [`ChangeSet`] names (blocks with their holders, engine-map
+//! Each shard commits the rows its [`ChangeSet`](crate::index::ChangeSet) names (blocks with their holders, engine-map
 //! entries, engine and partition rows) and the source offsets it has been delivered up to, in
 //! ONE `WriteBatch` ([`Store::commit`]). A batch is atomic, so after any crash a shard's rows
 //! are exactly its state at some committed offset. Rows are current values, not deltas:
 //! writing a batch twice is harmless. Layouts are in `codec.rs`; durable engine and partition
 //! ids in `registry.rs`.
+//!
+//! # Files
+//! - `mod.rs`: opening the database and checking its layout (shard count, seed);
+//! - `commit.rs`: the checkpoint commit (rows + offsets in one batch);
+//! - `offsets.rs`: the offsets rows and the contract below;
+//! - `load.rs`: the warm reload of a shard at start;
+//! - `l2.rs`: the store as the spill's L2 (point reads, write-back rows);
+//! - `codec.rs`, `registry.rs`: key/value layouts, durable engine and partition ids.
 //!
 //! # Offsets contract (for the pipeline)
 //! Offsets are *next* offsets (last applied + 1), per (shard, source, source partition).
@@ -30,15 +38,15 @@
 //! recovers a prefix of the WAL, so a batch is never half there.
 
 mod codec;
+mod commit;
 mod l2;
+mod load;
+mod offsets;
 mod registry;
 
-pub use l2::StoreSink;
+pub use l2::{ROW_BLOCKS, ROW_MAPS, StoreSink};
 
-use crate::event::{PartitionKey, Tier};
-use crate::index::holders::EngineIdx;
-use crate::index::shard::{BLOCK_ENTRY_BYTES, MAP_ENTRY_BYTES};
-use crate::index::{BlockChange, ChangeSet, Shard, SkipReason};
+use crate::index::SkipReason;
 use codec::*;
 use parking_lot::Mutex;
 use registry::Registry;
@@ -84,7 +92,8 @@ pub enum StoreError {
     ShardNotEmpty(u16),
     #[error("corrupt {what} in the store: {detail}")]
     Corrupt { what: &'static str, detail: String },
-    /// A fault ordered through the write-back fault seam (tests of a failing L2).
+    /// A fault ordered through the test switchboard ([`Store::faults`]; `testing` builds only).
+    #[cfg(any(test, feature = "testing"))]
     #[error("injected L2 fault: {0}")]
     InjectedFault(String),
     #[error("restoring shard {shard}: {source}")]
@@ -97,7 +106,7 @@ pub enum StoreError {
 
 /// How to open a [`Store`].
 #[derive(Clone, Debug)]
-pub struct StoreOptions {
+pub struct StoreSettings {
     /// `index.shards`: must equal what the store was created with.
     pub shards: usize,
     /// `index.seed`: must equal what the store was created with (block keys depend on it).
@@ -131,6 +140,9 @@ pub struct Store {
     /// hash lookups per commit, and across a write only when that write carries new ids (new
     /// engines are rare), which is what keeps an id from being used before its row is durable.
     registry: Mutex<Registry>,
+    /// The fault switchboard every L2 write of the store obeys (`testing` builds only).
+    #[cfg(any(test, feature = "testing"))]
+    faults: crate::spill::testing::FaultHandle,
 }
 
 /// RocksDB's block cache (data blocks), shared by the column families that hold index rows.
@@ -161,7 +173,7 @@ fn cf_options(cache: Option<&Cache>) -> Options {
 impl Store {
     /// Opens (or creates) the store in `dir`, checking it was written with the same shard
     /// count and seed.
-    pub fn open(dir: &Path, opts: &StoreOptions) -> Result<Store, StoreError> {
+    pub fn open(dir: &Path, opts: &StoreSettings) -> Result<Store, StoreError> {
         let shards = u16::try_from(opts.shards)
             .ok()
             .filter(|&n| n > 0)
@@ -204,6 +216,8 @@ impl Store {
             shards,
             write_opts,
             registry: Mutex::new(Registry::default()),
+            #[cfg(any(test, feature = "testing"))]
+            faults: Default::default(),
         };
         store.check_layout(shards, opts.seed)?;
         store.load_registry()?;
@@ -268,6 +282,13 @@ impl Store {
         self.shards
     }
 
+    /// Orders faults on the store's L2 writes: checkpoint commits and write-back batches
+    /// (`testing` builds only).
+    #[cfg(any(test, feature = "testing"))]
+    pub fn faults(&self) -> &crate::spill::testing::FaultHandle {
+        &self.faults
+    }
+
     fn cf(&self, name: &'static str) -> Result<&ColumnFamily, StoreError> {
         self.db.cf_handle(name).ok_or_else(|| StoreError::Corrupt {
             what: "column family",
@@ -284,371 +305,6 @@ impl Store {
                 shards: self.shards,
             })
         }
-    }
-
-    /// Persists `changes` of `shard` and the `(source, source partition, next offset)` it has
-    /// been delivered up to, in one atomic `WriteBatch` (plus the registry rows of engines and
-    /// partitions seen for the first time). On error nothing of it is applied and the
-    /// in-memory index is untouched: hand the set back with [`Shard::requeue_changes`] and
-    /// retry later (the offsets are re-sent with the next commit anyway).
-    pub fn commit(
-        &self,
-        shard: u16,
-        changes: &ChangeSet,
-        offsets: &[(String, i32, i64)],
-    ) -> Result<(), StoreError> {
-        self.check_shard(shard)?;
-        let (blocks, maps, offsets_cf, meta) = (
-            self.cf(CF_BLOCKS)?,
-            self.cf(CF_MAPS)?,
-            self.cf(CF_OFFSETS)?,
-            self.cf(CF_META)?,
-        );
-        let mut batch = WriteBatch::default();
-
-        let mut reg = self.registry.lock();
-        let engine_ids: Vec<u32> = changes
-            .engine_names
-            .iter()
-            .map(|n| reg.engines.id_or_insert(n))
-            .collect();
-        let partition_ids: Vec<u32> = changes
-            .partitions
-            .iter()
-            .map(|p| reg.partitions.id_or_insert(p))
-            .collect();
-        // Ids without durable rows: write them in this batch and keep the registry locked until
-        // it is written, so no other shard's batch can use them first (see registry.rs).
-        let new_ids = reg.has_unwritten();
-        if new_ids {
-            for (id, name) in reg.engines.unwritten() {
-                batch.put_cf(meta, id_key(TAG_ENGINE_BY_ID, id), name.as_bytes());
-                batch.put_cf(
-                    meta,
-                    tagged(TAG_ENGINE_BY_NAME, name.as_bytes()),
-                    id.to_be_bytes(),
-                );
-            }
-            for (id, key) in reg.partitions.unwritten() {
-                let enc = encode_partition(key);
-                batch.put_cf(meta, id_key(TAG_PARTITION_BY_ID, id), &enc);
-                batch.put_cf(meta, tagged(TAG_PARTITION_BY_KEY, &enc), id.to_be_bytes());
-            }
-        }
-        let reg = new_ids.then_some(reg);
-
-        // Shard-local ids come from the shard the set was taken from; an id outside its name
-        // tables is a caller bug (a set from another shard), reported rather than panicking.
-        let bad = || StoreError::Corrupt {
-            what: "change set",
-            detail: format!("shard {shard}: an engine or partition id outside its name tables"),
-        };
-        let eng = |e: u32| engine_ids.get(e as usize).copied().ok_or_else(bad);
-        let part = |p: u32| partition_ids.get(p as usize).copied().ok_or_else(bad);
-
-        for &p in &changes.new_partitions {
-            batch.put_cf(
-                meta,
-                shard_row_key(TAG_SHARD_PARTITION, shard, part(p)?),
-                b"",
-            );
-        }
-        let mut value = Vec::with_capacity(64);
-        for e in &changes.engines {
-            value.clear();
-            value.extend_from_slice(&e.last_seen_us.to_be_bytes());
-            for &p in &e.partitions {
-                value.extend_from_slice(&part(p)?.to_be_bytes());
-            }
-            batch.put_cf(
-                meta,
-                shard_row_key(TAG_SHARD_ENGINE, shard, eng(e.engine)?),
-                &value,
-            );
-        }
-        // Range deletes of cleared maps first: map entries re-added after the clear follow.
-        for &(e, p) in &changes.cleared {
-            let prefix = map_prefix(shard, eng(e)?, part(p)?);
-            match prefix_end(&prefix) {
-                Some(end) => batch.delete_range_cf(maps, &prefix[..], &end[..]),
-                None => return Err(bad()),
-            }
-        }
-        // Rows go into the batch in key order: RocksDB's memtable (a skip list) then inserts
-        // each next to the previous one instead of searching from the top, which made random
-        // order the largest cost of a commit (perf: ~60% of a shard worker under ingest load).
-        let mut map_rows = changes
-            .maps
-            .iter()
-            .map(|m| {
-                Ok((
-                    map_key(shard, eng(m.engine)?, part(m.partition)?, m.hash),
-                    m.block,
-                ))
-            })
-            .collect::<Result<Vec<_>, StoreError>>()?;
-        map_rows.sort_unstable_by_key(|row| row.0);
-        for (key, block) in &map_rows {
-            match block {
-                Some(b) => batch.put_cf(maps, key, b.to_be_bytes()),
-                None => batch.delete_cf(maps, key),
-            }
-        }
-        let mut block_rows: Vec<&BlockChange> = changes.blocks.iter().collect();
-        block_rows.sort_unstable_by_key(|b| b.key);
-        for b in block_rows {
-            let key = block_key(shard, b.key);
-            let holders = changes.holders_of(b);
-            if holders.is_empty() {
-                batch.delete_cf(blocks, key);
-                continue;
-            }
-            value.clear();
-            value.extend_from_slice(&part(b.partition)?.to_be_bytes());
-            for &(e, tier) in holders {
-                push_holder(&mut value, eng(e)?, tier);
-            }
-            batch.put_cf(blocks, key, &value);
-        }
-        for (source, partition, next) in offsets {
-            offset_key(shard, source, *partition, &mut value);
-            batch.put_cf(offsets_cf, &value, next.to_be_bytes());
-        }
-
-        let written = self.db.write_opt(batch, &self.write_opts);
-        if let (Some(mut reg), Ok(())) = (reg, &written) {
-            reg.engines.mark_written();
-            reg.partitions.mark_written();
-        }
-        Ok(written?)
-    }
-
-    /// Where the source resumes (source partition `partition` of `source`): the minimum over
-    /// shards of their next offsets, `None` if no shard has checkpointed it. See the module
-    /// docs for why every shard has a row once any has.
-    pub fn next_offset(&self, source: &str, partition: i32) -> Result<Option<i64>, StoreError> {
-        let mut min: Option<i64> = None;
-        for shard in 0..self.shards {
-            if let Some(o) = self.shard_offset(shard, source, partition)? {
-                min = Some(min.map_or(o, |m| m.min(o)));
-            }
-        }
-        Ok(min)
-    }
-
-    /// The next offset `shard` has persisted for (source, partition): at restart the shard
-    /// skips events at offsets below it (they are in its loaded state already).
-    pub fn shard_offset(
-        &self,
-        shard: u16,
-        source: &str,
-        partition: i32,
-    ) -> Result<Option<i64>, StoreError> {
-        self.check_shard(shard)?;
-        let mut key = Vec::with_capacity(8 + source.len());
-        offset_key(shard, source, partition, &mut key);
-        match self.db.get_pinned_cf(self.cf(CF_OFFSETS)?, &key)? {
-            Some(v) => Ok(Some(i64_at(&v, 0).ok_or_else(|| corrupt("offset", &v))?)),
-            None => Ok(None),
-        }
-    }
-
-    /// Every (source, partition, next offset) `shard` has persisted, for its skip table.
-    pub fn shard_offsets(&self, shard: u16) -> Result<Vec<(String, i32, i64)>, StoreError> {
-        self.check_shard(shard)?;
-        let mut out = Vec::new();
-        self.scan(CF_OFFSETS, &shard.to_be_bytes(), |k, v| {
-            let bad = || corrupt("offset key", k);
-            let len = u16_at(k, 2).ok_or_else(bad)? as usize;
-            let source = k.get(4..4 + len).ok_or_else(bad)?;
-            let source = std::str::from_utf8(source).map_err(|_| bad())?;
-            let partition = u32_at(k, 4 + len).ok_or_else(bad)? as i32;
-            let next = i64_at(v, 0).ok_or_else(|| corrupt("offset", v))?;
-            out.push((source.to_string(), partition, next));
-            Ok(())
-        })?;
-        Ok(out)
-    }
-
-    /// Writes, in one batch, `next_offset` as the row of every shard that has no row for
-    /// (source, partition) yet. The pipeline calls it before routing the first batch of a
-    /// partition in a process, with that batch's first offset; shards that already have a row
-    /// keep it. Returns how many rows it wrote.
-    pub fn begin_partition(
-        &self,
-        source: &str,
-        partition: i32,
-        next_offset: i64,
-    ) -> Result<usize, StoreError> {
-        let cf = self.cf(CF_OFFSETS)?;
-        let mut batch = WriteBatch::default();
-        let mut key = Vec::with_capacity(8 + source.len());
-        let mut wrote = 0;
-        for shard in 0..self.shards {
-            offset_key(shard, source, partition, &mut key);
-            if self.db.get_pinned_cf(cf, &key)?.is_none() {
-                batch.put_cf(cf, &key, next_offset.to_be_bytes());
-                wrote += 1;
-            }
-        }
-        if wrote > 0 {
-            self.db.write_opt(batch, &self.write_opts)?;
-        }
-        Ok(wrote)
-    }
-
-    /// Deletes every shard's row for (source, partition), in one batch: the partition is
-    /// forgotten, as if never checkpointed. Used when a checkpoint is abandoned
-    /// (`reset_on_divergence`): the pipeline first makes sure no shard has an uncommitted row
-    /// for it, and the next batch of the partition calls [`Store::begin_partition`] again.
-    pub fn forget_partition(&self, source: &str, partition: i32) -> Result<(), StoreError> {
-        let cf = self.cf(CF_OFFSETS)?;
-        let mut batch = WriteBatch::default();
-        let mut key = Vec::with_capacity(8 + source.len());
-        for shard in 0..self.shards {
-            offset_key(shard, source, partition, &mut key);
-            batch.delete_cf(cf, &key);
-        }
-        Ok(self.db.write_opt(batch, &self.write_opts)?)
-    }
-
-    /// Deletes every row of `source` (all partitions, all shards), in one batch; returns how
-    /// many there were. The embedded broker's log is new on every start, so its old offsets
-    /// mean nothing: they are forgotten before the shards load their skip tables.
-    pub fn forget_source(&self, source: &str) -> Result<usize, StoreError> {
-        let mut keys = Vec::new();
-        for shard in 0..self.shards {
-            for (s, partition, _) in self.shard_offsets(shard)? {
-                if s == source {
-                    let mut key = Vec::new();
-                    offset_key(shard, source, partition, &mut key);
-                    keys.push(key);
-                }
-            }
-        }
-        if !keys.is_empty() {
-            let cf = self.cf(CF_OFFSETS)?;
-            let mut batch = WriteBatch::default();
-            for k in &keys {
-                batch.delete_cf(cf, k);
-            }
-            self.db.write_opt(batch, &self.write_opts)?;
-        }
-        Ok(keys.len())
-    }
-
-    /// Rebuilds `shard`'s in-memory state into `into` (an empty shard) from its rows: blocks
-    /// with their holders and tiers, engine maps, engines (liveness, partitions) and partition
-    /// counters, so lookups, stats and engines after a restart equal those before it. Enable
-    /// change tracking on `into` afterwards. Shards load independently (in parallel if wanted).
-    pub fn load_shard(&self, shard: u16, into: &mut Shard) -> Result<LoadStats, StoreError> {
-        self.load_shard_bounded(shard, into, u64::MAX)
-    }
-
-    /// [`Store::load_shard`] into an L1 of `l1_budget` bytes: engine-map rows may take half
-    /// of it, block rows the rest; rows beyond are counted (blocks, memberships, tiers are
-    /// L1 ∪ L2 counts) but stay in L2 (`left_in_l2`), for the shard to read through.
-    pub fn load_shard_bounded(
-        &self,
-        shard: u16,
-        into: &mut Shard,
-        l1_budget: u64,
-    ) -> Result<LoadStats, StoreError> {
-        self.check_shard(shard)?;
-        if !into.is_empty() {
-            return Err(StoreError::ShardNotEmpty(shard));
-        }
-        let mut l = Loader {
-            store: self,
-            shard,
-            into,
-            engines: hashbrown::HashMap::new(),
-            partitions: hashbrown::HashMap::new(),
-            stats: LoadStats::default(),
-        };
-        // Partitions, then engines (their rows name partitions), then maps and blocks.
-        self.scan(
-            CF_META,
-            &shard_row_prefix(TAG_SHARD_PARTITION, shard),
-            |k, _| {
-                let id = u32_at(k, 3).ok_or_else(|| corrupt("partition row", k))?;
-                l.partition(id).map(drop)
-            },
-        )?;
-        let mut pids = Vec::new();
-        let mut l1_bytes = 0u64;
-        self.scan(
-            CF_META,
-            &shard_row_prefix(TAG_SHARD_ENGINE, shard),
-            |k, v| {
-                let id = u32_at(k, 3).ok_or_else(|| corrupt("engine row", k))?;
-                let last_seen = i64_at(v, 0).ok_or_else(|| corrupt("engine row", v))?;
-                if !(v.len() - 8).is_multiple_of(4) {
-                    return Err(corrupt("engine row", v));
-                }
-                pids.clear();
-                for c in v[8..].chunks_exact(4) {
-                    pids.push(l.partition(u32::from_be_bytes([c[0], c[1], c[2], c[3]]))?);
-                }
-                l.engine_row(id, last_seen, &pids).map(drop)
-            },
-        )?;
-        self.scan(CF_MAPS, &shard.to_be_bytes(), |k, v| {
-            let (Some(e), Some(p), Some(hash)) = (u32_at(k, 2), u32_at(k, 6), u64_at(k, 10)) else {
-                return Err(corrupt("map key", k));
-            };
-            let block = u64_at(v, 0).ok_or_else(|| corrupt("map value", v))?;
-            let (eid, pid) = (l.engine(e)?, l.partition(p)?);
-            l.stats.map_entries += 1;
-            if l1_bytes + MAP_ENTRY_BYTES > l1_budget / 2 {
-                l.stats.left_in_l2 += 1;
-                return Ok(());
-            }
-            l1_bytes += MAP_ENTRY_BYTES;
-            l.into.restore_map_entry(eid, pid, hash, block);
-            Ok(())
-        })?;
-        // RocksDB's estimate of the blocks column family's rows, shared evenly by the shards:
-        // the block table is sized once instead of doubling ~20 times on the way.
-        let estimate = self
-            .db
-            .property_int_value_cf(self.cf(CF_BLOCKS)?, "rocksdb.estimate-num-keys")?
-            .unwrap_or(0);
-        // Capped: the estimate counts overwritten rows too, and the table never shrinks. A
-        // bounded load reserves only what its budget lets in: sizing the table for every row
-        // in L2 would touch memory for all of them (the peak RSS of a spilled start-up).
-        let fits = l1_budget.saturating_sub(l1_bytes) / BLOCK_ENTRY_BYTES;
-        let per_shard = (estimate / u64::from(self.shards)).min(fits).min(1 << 26) as usize;
-        l.into.reserve_blocks(per_shard);
-        // Rows arrive in key order but land in random table slots: they are restored in
-        // groups whose slots are prefetched first, so the cache misses overlap.
-        let mut pending: Vec<(u64, u32, EngineIdx, Tier)> = Vec::with_capacity(RESTORE_GROUP * 2);
-        self.scan(CF_BLOCKS, &shard.to_be_bytes(), |k, v| {
-            let block = u64_at(k, 2).ok_or_else(|| corrupt("block key", k))?;
-            let (p, holders) = decode_block(v)?;
-            let pid = l.partition(p)?;
-            l.stats.blocks += 1;
-            if l1_bytes.saturating_add(BLOCK_ENTRY_BYTES) > l1_budget {
-                l.stats.left_in_l2 += 1;
-                for (i, (e, tier)) in holders.enumerate() {
-                    let eid = l.engine(e)?;
-                    l.into.count_stored_membership(pid, eid, tier, i == 0);
-                    l.stats.memberships += 1;
-                }
-                return Ok(());
-            }
-            l1_bytes += BLOCK_ENTRY_BYTES;
-            l.into.prefetch_block(block);
-            for (e, tier) in holders {
-                pending.push((block, pid, l.engine(e)?, tier));
-            }
-            if pending.len() >= RESTORE_GROUP {
-                l.restore_memberships(&mut pending);
-            }
-            Ok(())
-        })?;
-        l.restore_memberships(&mut pending);
-        Ok(l.stats)
     }
 
     /// Calls `f` on every (key, value) of `cf` starting with `prefix`, in key order.
@@ -686,81 +342,5 @@ impl Store {
         Ok(self
             .db
             .flush_cfs_opt(&cfs, &rocksdb::FlushOptions::default())?)
-    }
-}
-
-/// Memberships restored per prefetched group during a reload.
-const RESTORE_GROUP: usize = 16;
-
-/// Durable id → shard-local id translation during one [`Store::load_shard`].
-struct Loader<'a> {
-    store: &'a Store,
-    shard: u16,
-    into: &'a mut Shard,
-    engines: hashbrown::HashMap<u32, u32>,
-    partitions: hashbrown::HashMap<u32, u32>,
-    stats: LoadStats,
-}
-
-impl Loader<'_> {
-    /// Restores the buffered (block, partition, engine, tier) memberships, whose block slots
-    /// were prefetched as they were read.
-    fn restore_memberships(&mut self, pending: &mut Vec<(u64, u32, EngineIdx, Tier)>) {
-        for (block, pid, eid, tier) in pending.drain(..) {
-            self.into.restore_membership(pid, eid, block, tier);
-            self.stats.memberships += 1;
-        }
-    }
-
-    fn partition(&mut self, id: u32) -> Result<u32, StoreError> {
-        if let Some(&pid) = self.partitions.get(&id) {
-            return Ok(pid);
-        }
-        let key: PartitionKey = self
-            .store
-            .registry
-            .lock()
-            .partitions
-            .key(id)
-            .cloned()
-            .ok_or_else(|| corrupt("partition id", &id.to_be_bytes()))?;
-        let pid = self.into.restore_partition(&key);
-        self.into.learn_durable_partition(pid, id);
-        self.partitions.insert(id, pid);
-        self.stats.partitions += 1;
-        Ok(pid)
-    }
-
-    fn engine_row(&mut self, id: u32, last_seen: i64, pids: &[u32]) -> Result<u32, StoreError> {
-        let name = self
-            .store
-            .registry
-            .lock()
-            .engines
-            .key(id)
-            .cloned()
-            .ok_or_else(|| corrupt("engine id", &id.to_be_bytes()))?;
-        let eid = self
-            .into
-            .restore_engine(&name, last_seen, pids)
-            .map_err(|source| StoreError::Restore {
-                shard: self.shard,
-                source,
-            })?;
-        self.into.learn_durable_engine(eid, id);
-        if self.engines.insert(id, eid).is_none() {
-            self.stats.engines += 1;
-        }
-        Ok(eid)
-    }
-
-    /// An engine named by a map or block row. Its engine row is written in the same batch as
-    /// the rows that first use it, so it is normally loaded already; if not, it is restored
-    /// with no liveness rather than failing the load.
-    fn engine(&mut self, id: u32) -> Result<u32, StoreError> {
-        match self.engines.get(&id) {
-            Some(&eid) => Ok(eid),
-            None => self.engine_row(id, 0, &[]),
-        }
     }
 }

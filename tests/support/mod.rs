@@ -217,13 +217,13 @@ pub fn caught_up(stats: &Value, log_end: i64) -> bool {
         })
 }
 
-/// The project's seeded generator (`kvindex::produce::Rng`) with the small API randomized
+/// The project's seeded generator (`kvindex::sim::Rng`) with the small API randomized
 /// tests use; deterministic, so a failing seed reproduces.
-pub struct TestRng(kvindex::produce::Rng);
+pub struct TestRng(kvindex::sim::Rng);
 
 impl TestRng {
     pub fn new(seed: u64) -> TestRng {
-        TestRng(kvindex::produce::Rng::new(seed))
+        TestRng(kvindex::sim::Rng::new(seed))
     }
 
     pub fn next(&mut self) -> u64 {

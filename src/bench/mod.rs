@@ -1,0 +1,4 @@
+//! Benchmark machinery the `kvindex bench` commands and `benches/` share: the recorded-trace
+//! replay ([`trace`]).
+
+pub mod trace;

@@ -1,0 +1,157 @@
+//! The rules a loaded [`Config`] must satisfy beyond its types: ranges, cross-field rules, and
+//! values that must parse (listen address, start position). The error names the first field
+//! that breaks one.
+
+use super::load::LORA_NAMES;
+use super::{Config, ConfigError, MAX_FLUSH_INTERVAL_S, SourceKind, StartPosition};
+use std::net::SocketAddr;
+
+impl Config {
+    /// Checks every rule; the error names the first field that breaks one.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        fn bad(field: &str, reason: impl Into<String>) -> ConfigError {
+            ConfigError::invalid(field, reason)
+        }
+        if self.data_dir.as_os_str().is_empty() {
+            return Err(bad("data_dir", "must not be empty"));
+        }
+        if let Err(e) = self.http.listen.parse::<SocketAddr>() {
+            return Err(bad(
+                "http.listen",
+                format!(
+                    "must be a socket address like 127.0.0.1:8080, got `{}` ({e})",
+                    self.http.listen
+                ),
+            ));
+        }
+        if self.http.max_body_bytes < 1024 {
+            return Err(bad(
+                "http.max_body_bytes",
+                format!("must be at least 1024, got {}", self.http.max_body_bytes),
+            ));
+        }
+        if self.source.max_payload_bytes == 0 {
+            return Err(bad("source.max_payload_bytes", "must be at least 1, got 0"));
+        }
+        let kafka = &self.source.kafka;
+        if StartPosition::parse(&kafka.start).is_none() {
+            return Err(bad(
+                "source.kafka.start",
+                format!(
+                    "must be earliest, latest or an RFC 3339 time (e.g. 2025-01-31T12:00:00Z), got `{}`",
+                    kafka.start
+                ),
+            ));
+        }
+        if let Some(p) = kafka.partitions.iter().find(|&&p| p < 0) {
+            return Err(bad(
+                "source.kafka.partitions",
+                format!("partition numbers are ≥ 0, got {p}"),
+            ));
+        }
+        if self.source.kind == SourceKind::Kafka {
+            for (field, value) in [
+                ("source.kafka.brokers", &kafka.brokers),
+                ("source.kafka.topic", &kafka.topic),
+            ] {
+                if value.trim().is_empty() {
+                    return Err(bad(field, "must not be empty when source.kind = \"kafka\""));
+                }
+            }
+        }
+        let nats = &self.source.nats;
+        if nats.subjects.is_empty() {
+            return Err(bad(
+                "source.nats.subjects",
+                "must list at least one subject",
+            ));
+        }
+        if let Some(s) = nats.subjects.iter().find(|s| s.trim().is_empty()) {
+            return Err(bad(
+                "source.nats.subjects",
+                format!("subjects must not be empty, got `{s}`"),
+            ));
+        }
+        if self.source.kind == SourceKind::Nats {
+            for (field, value) in [
+                ("source.nats.url", &nats.url),
+                ("source.nats.stream", &nats.stream),
+                ("source.nats.durable", &nats.durable),
+            ] {
+                if value.trim().is_empty() {
+                    return Err(bad(field, "must not be empty when source.kind = \"nats\""));
+                }
+            }
+        }
+        if let Some((id, _)) = self
+            .source
+            .vllm
+            .lora_names
+            .iter()
+            .find(|(_, n)| n.is_empty())
+        {
+            return Err(bad(
+                &format!("{LORA_NAMES}.{id}"),
+                "adapter name must not be empty",
+            ));
+        }
+        let index = &self.index;
+        if index.default_block_size == 0 {
+            return Err(bad("index.default_block_size", "must be at least 1, got 0"));
+        }
+        if index.l1_max_bytes == 0 {
+            return Err(bad("index.l1_max_bytes", "must be at least 1, got 0"));
+        }
+        let (high, low) = (index.high_watermark, index.low_watermark);
+        if !(high > 0.0 && high <= 1.0) {
+            return Err(bad(
+                "index.high_watermark",
+                format!("must be in (0, 1], got {high}"),
+            ));
+        }
+        if !(low > 0.0 && low < high) {
+            return Err(bad(
+                "index.low_watermark",
+                format!("must be in (0, index.high_watermark = {high}), got {low}"),
+            ));
+        }
+        let wb = &self.writeback;
+        if !(1..=65536).contains(&wb.batch_size) {
+            return Err(bad(
+                "writeback.batch_size",
+                format!("must be in 1..=65536, got {}", wb.batch_size),
+            ));
+        }
+        if wb.periodic_flush_interval < 0 {
+            return Err(bad(
+                "writeback.periodic_flush_interval",
+                format!(
+                    "must be ≥ 0 seconds (0 = off), got {}",
+                    wb.periodic_flush_interval
+                ),
+            ));
+        }
+        if wb.periodic_flush_interval > MAX_FLUSH_INTERVAL_S {
+            return Err(bad(
+                "writeback.periodic_flush_interval",
+                format!(
+                    "must be at most {MAX_FLUSH_INTERVAL_S} seconds (one year; 0 = off), got {}",
+                    wb.periodic_flush_interval
+                ),
+            ));
+        }
+        if wb.emergency_evict_for_restore && !wb.write_back_on_evict {
+            return Err(bad(
+                "writeback.emergency_evict_for_restore",
+                "requires writeback.write_back_on_evict = true (evicting without writing back would lose the entries)",
+            ));
+        }
+        if self.checkpoint.interval_ms == 0 {
+            return Err(bad("checkpoint.interval_ms", "must be at least 1, got 0"));
+        }
+        if self.checkpoint.max_events == 0 {
+            return Err(bad("checkpoint.max_events", "must be at least 1, got 0"));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,310 @@
+//! Applying one event to a shard: store (keying the chain, assigning memberships), remove
+//! (resolving engine hashes through the engine's map) and clear, with the eviction-scope rule
+//! deciding which adapter partitions a removal or a clear reaches.
+
+use super::super::hash;
+use super::super::holders::EngineIdx;
+use super::super::table::KeyTable;
+use super::blocks::{Added, drop_membership};
+use super::{MapEntry, PREFETCH_AHEAD, Shard, SkipReason};
+use crate::event::{BlockContent, EngineHash, Event, EventKind};
+use smallvec::SmallVec;
+
+impl Shard {
+    /// Applies one event routed to this shard; returns the memberships it added or removed.
+    /// `now_us` stamps liveness when the event carries no timestamp.
+    pub fn apply(&mut self, ev: &Event, now_us: i64) -> Result<usize, SkipReason> {
+        let seen = if ev.timestamp_us > 0 {
+            ev.timestamp_us
+        } else {
+            now_us
+        };
+        match ev.kind {
+            EventKind::Stored => self.store(ev, seen),
+            EventKind::Removed => self.remove(ev, seen),
+            EventKind::AllCleared => self.clear(ev, seen),
+            EventKind::ReplicaUpdated => {
+                let eid = self.intern_engine(&ev.engine)?;
+                self.touch(eid, seen);
+                Ok(0)
+            }
+            EventKind::Unknown(t) => Err(SkipReason::UnknownType(t)),
+        }
+    }
+
+    /// The key the chain continues from: the partition seed for a root chain, else the key of
+    /// the parent block as this engine stored it.
+    fn chain_start(
+        &self,
+        eid: EngineIdx,
+        pid: u32,
+        parent: Option<EngineHash>,
+    ) -> Result<u64, SkipReason> {
+        match parent {
+            None => Ok(self.partitions[pid as usize].seed),
+            Some(p) => self.engines[eid as usize]
+                .part(pid)
+                .and_then(|m| m.get(p.0))
+                .map(|e| e.block)
+                .ok_or(SkipReason::UnknownParent(p.0)),
+        }
+    }
+
+    fn store(&mut self, ev: &Event, seen_us: i64) -> Result<usize, SkipReason> {
+        let eid = self.intern_engine(&ev.engine)?;
+        self.touch(eid, seen_us);
+        let pid = self.intern_partition(&ev.partition);
+        let n = ev.block_hashes.len();
+        if let Some(parent) = ev.parent_hash.filter(|_| self.is_spilled()) {
+            self.fault_in_map(eid, pid, parent.0)?;
+        }
+        let mut keys = std::mem::take(&mut self.key_buf);
+        keys.clear();
+        let keyed = match &ev.content {
+            BlockContent::HashesOnly => {
+                let seed = self.partitions[pid as usize].seed;
+                keys.extend(ev.block_hashes.iter().map(|h| hash::raw(seed, h.0)));
+                Ok(())
+            }
+            BlockContent::Tokens {
+                token_ids,
+                block_size,
+            } => {
+                if *block_size == 0 {
+                    Err(SkipReason::ZeroBlockSize)
+                } else if token_ids.len() != n * *block_size as usize {
+                    Err(SkipReason::TokenCountMismatch {
+                        tokens: token_ids.len(),
+                        blocks: n,
+                        block_size: *block_size,
+                    })
+                } else {
+                    self.chain_start(eid, pid, ev.parent_hash).map(|prev| {
+                        hash::token_chain_keys(prev, token_ids, *block_size as usize, &mut keys)
+                    })
+                }
+            }
+            BlockContent::Digests(digests) => {
+                if digests.len() != n {
+                    Err(SkipReason::DigestCountMismatch {
+                        digests: digests.len(),
+                        blocks: n,
+                    })
+                } else {
+                    self.chain_start(eid, pid, ev.parent_hash)
+                        .map(|prev| hash::chain_keys(prev, digests.iter().copied(), &mut keys))
+                }
+            }
+        };
+        if let Err(e) = keyed.and_then(|()| self.fault_in_stored(eid, pid, &ev.block_hashes, &keys))
+        {
+            self.key_buf = keys;
+            return Err(e);
+        }
+        let now = self.lru_now();
+
+        let engine_count = self.engines.len();
+        let Shard {
+            table,
+            engines,
+            partitions,
+            changes,
+            ..
+        } = self;
+        let mut changes = changes.as_deref_mut();
+        let engine = &mut engines[eid as usize];
+        let map_slot = match engine.parts.iter().position(|(p, _)| *p == pid) {
+            Some(i) => i,
+            None => {
+                engine.parts.push((pid, KeyTable::default()));
+                engine.parts.len() - 1
+            }
+        };
+        let part = &mut partitions[pid as usize];
+        let map = &mut engine.parts[map_slot].1;
+        for (h, &key) in ev.block_hashes.iter().zip(keys.iter()).take(PREFETCH_AHEAD) {
+            map.prefetch(h.0);
+            table.blocks.prefetch(key);
+        }
+        for (i, (h, &key)) in ev.block_hashes.iter().zip(keys.iter()).enumerate() {
+            // Overlap the cache misses of blocks a few steps ahead with this one's work.
+            if let (Some(ah), Some(&ak)) = (
+                ev.block_hashes.get(i + PREFETCH_AHEAD),
+                keys.get(i + PREFETCH_AHEAD),
+            ) {
+                map.prefetch(ah.0);
+                table.blocks.prefetch(ak);
+            }
+            let previous = map
+                .insert(
+                    h.0,
+                    MapEntry {
+                        block: key,
+                        used: now,
+                    },
+                )
+                .map(|e| e.block);
+            if let Some(c) = changes.as_deref_mut().filter(|_| previous != Some(key)) {
+                c.map(eid, pid, h.0, previous.is_none());
+            }
+            if let Some(old) = previous.filter(|&old| old != key) {
+                // The engine reused a hash for other content (e.g. it restarted with a new hash
+                // seed without clearing): the old assignment is superseded.
+                drop_membership(
+                    table,
+                    old,
+                    (eid, engine_count),
+                    &mut engine.tier_counts,
+                    (part, pid),
+                    changes.as_deref_mut(),
+                );
+            }
+            let added = table.add(key, eid, ev.tier, engine_count, now);
+            match added {
+                Added::Holder { new_block } => {
+                    engine.tier_counts[ev.tier as usize] += 1;
+                    part.memberships += 1;
+                    part.blocks += new_block as u64;
+                }
+                Added::TierChanged(old) => {
+                    engine.tier_counts[old as usize] -= 1;
+                    engine.tier_counts[ev.tier as usize] += 1;
+                }
+                Added::Unchanged => {}
+            }
+            if let Some(c) = changes.as_deref_mut().filter(|_| added != Added::Unchanged) {
+                let born = matches!(added, Added::Holder { new_block: true });
+                c.block(key, pid, born);
+            }
+        }
+        self.key_buf = keys;
+        Ok(n)
+    }
+
+    /// Removes `hashes` of engine `eid` from the engine's partition at `slot` of its parts.
+    fn remove_in_part(&mut self, eid: EngineIdx, slot: usize, hashes: &[EngineHash]) -> usize {
+        let engine_count = self.engines.len();
+        let Shard {
+            table,
+            engines,
+            partitions,
+            key_buf,
+            changes,
+            ..
+        } = self;
+        let mut changes = changes.as_deref_mut();
+        let engine = &mut engines[eid as usize];
+        let (pid, map) = &mut engine.parts[slot];
+        let pid = *pid;
+        let part = &mut partitions[pid as usize];
+        // Two passes, each prefetching ahead: resolve engine hashes to keys, then drop the
+        // memberships. Misses of one pass overlap instead of alternating between two tables.
+        let mut keys = std::mem::take(key_buf);
+        keys.clear();
+        for h in hashes.iter().take(PREFETCH_AHEAD) {
+            map.prefetch(h.0);
+        }
+        for (i, h) in hashes.iter().enumerate() {
+            if let Some(ahead) = hashes.get(i + PREFETCH_AHEAD) {
+                map.prefetch(ahead.0);
+            }
+            if let Some(MapEntry { block: key, .. }) = map.remove(h.0) {
+                keys.push(key);
+                if let Some(c) = changes.as_deref_mut() {
+                    c.map(eid, pid, h.0, false);
+                }
+            }
+        }
+        let mut removed = 0;
+        for &key in keys.iter().take(PREFETCH_AHEAD) {
+            table.blocks.prefetch(key);
+        }
+        for (i, &key) in keys.iter().enumerate() {
+            if let Some(&ahead) = keys.get(i + PREFETCH_AHEAD) {
+                table.blocks.prefetch(ahead);
+            }
+            let part = (&mut *part, pid);
+            removed += drop_membership(
+                table,
+                key,
+                (eid, engine_count),
+                &mut engine.tier_counts,
+                part,
+                changes.as_deref_mut(),
+            ) as usize;
+        }
+        *key_buf = keys;
+        removed
+    }
+
+    /// Slots in `eid`'s parts of the partitions an event reaches: its own partition when
+    /// scoped, every adapter of its (tenant, model) otherwise.
+    fn reached_slots(&self, eid: EngineIdx, ev: &Event, scoped: bool) -> SmallVec<[usize; 4]> {
+        let p = &ev.partition;
+        self.engines[eid as usize]
+            .parts
+            .iter()
+            .enumerate()
+            .filter(|(_, (pid, _))| {
+                let k = &self.partitions[*pid as usize].key;
+                k.tenant == p.tenant && k.model == p.model && (!scoped || k.adapter == p.adapter)
+            })
+            .map(|(i, _)| i)
+            .collect()
+    }
+
+    fn remove(&mut self, ev: &Event, seen_us: i64) -> Result<usize, SkipReason> {
+        let Some(&eid) = self.engine_ids.get(ev.engine.as_str()) else {
+            return Ok(0);
+        };
+        self.touch(eid, seen_us);
+        let slots = self.reached_slots(eid, ev, ev.is_scoped());
+        let mut removed = 0;
+        for slot in slots {
+            let pid = self.engines[eid as usize].parts[slot].0;
+            self.fault_in_removed(eid, pid, &ev.block_hashes)?;
+            removed += self.remove_in_part(eid, slot, &ev.block_hashes);
+        }
+        Ok(removed)
+    }
+
+    fn clear(&mut self, ev: &Event, seen_us: i64) -> Result<usize, SkipReason> {
+        let Some(&eid) = self.engine_ids.get(ev.engine.as_str()) else {
+            return Ok(0);
+        };
+        self.touch(eid, seen_us);
+        let slots = self.reached_slots(eid, ev, false);
+        // Entries of the cleared maps that live only in L2 come back first, so the drain
+        // below sees every membership (their L2 rows go with the clear's range delete).
+        for &slot in &slots {
+            let pid = self.engines[eid as usize].parts[slot].0;
+            self.fault_in_cleared(eid, pid)?;
+        }
+        let engine_count = self.engines.len();
+        let mut removed = 0;
+        // Highest slot first so removing a slot leaves the remaining indices valid.
+        for slot in slots.into_iter().rev() {
+            let (pid, mut map) = self.engines[eid as usize].parts.swap_remove(slot);
+            let part = &mut self.partitions[pid as usize];
+            let engine = &mut self.engines[eid as usize];
+            let mut changes = self.changes.as_deref_mut();
+            if let Some(c) = changes.as_deref_mut() {
+                // The map's rows go with one range delete, not one mark per entry.
+                c.cleared.insert((eid, pid));
+            }
+            for (_, MapEntry { block: key, .. }) in map.drain() {
+                let holder = (eid, engine_count);
+                let part = (&mut *part, pid);
+                removed += drop_membership(
+                    &mut self.table,
+                    key,
+                    holder,
+                    &mut engine.tier_counts,
+                    part,
+                    changes.as_deref_mut(),
+                ) as usize;
+            }
+        }
+        Ok(removed)
+    }
+}

@@ -1,0 +1,150 @@
+//! The block table: block key → holders, with bitsets for blocks many engines hold, and the
+//! one operation that drops a membership with every counter kept in step.
+
+use super::super::changes::Changes;
+use super::super::holders::{DenseBits, EngineIdx, SetOutcome, should_be_dense, should_stay_dense};
+use super::super::table::KeyTable;
+use super::{Block, PartitionState};
+use crate::event::Tier;
+
+/// Block → holders, plus the bitsets of dense blocks. Split from [`Shard`] so membership updates
+/// can borrow it while an engine's hash map is borrowed too.
+#[derive(Default)]
+pub(super) struct BlockTable {
+    /// Block key (partition-namespaced, see [`hash`]) → engines holding it.
+    pub(super) blocks: KeyTable<Block>,
+    /// Bitsets for blocks with many holders; see [`should_be_dense`]. A [`KeyTable`] too, so
+    /// a lookup can prefetch a block's bitset slot along with its block slot.
+    pub(super) dense: KeyTable<DenseBits>,
+    pub(super) memberships: u64,
+    /// Heap bytes of spilled holder lists and dense bitsets (the maps' own tables are measured
+    /// from their capacity).
+    pub(super) heap_bytes: usize,
+}
+
+/// What adding one membership did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Added {
+    /// A new holder, and `new_block` says if the block itself is new.
+    Holder {
+        new_block: bool,
+    },
+    TierChanged(Tier),
+    Unchanged,
+}
+
+impl BlockTable {
+    /// Starts loading the slots a lookup of `key` reads: the block's and, when the shard has
+    /// dense blocks, its bitset's.
+    #[inline]
+    pub(super) fn prefetch(&self, key: u64) {
+        self.blocks.prefetch(key);
+        if !self.dense.is_empty() {
+            self.dense.prefetch(key);
+        }
+    }
+
+    #[inline]
+    pub(super) fn add(
+        &mut self,
+        key: u64,
+        engine: EngineIdx,
+        tier: Tier,
+        engine_count: usize,
+        now: u32,
+    ) -> Added {
+        let (block, new_block) = self.blocks.get_or_default(key);
+        *block.used.get_mut() = now;
+        let holders = &mut block.holders;
+        let heap_before = holders.heap_bytes();
+        let outcome = holders.set(engine, tier);
+        let len = holders.len();
+        self.heap_bytes = self.heap_bytes + holders.heap_bytes() - heap_before;
+        if len >= 16 && outcome != SetOutcome::Unchanged {
+            if let Some(d) = self.dense.get_mut(key) {
+                let before = d.heap_bytes();
+                d.set(engine, tier);
+                self.heap_bytes = self.heap_bytes + d.heap_bytes() - before;
+            } else if should_be_dense(len, engine_count) {
+                let d = DenseBits::from_holders(holders, engine_count);
+                self.heap_bytes += d.heap_bytes();
+                self.dense.insert(key, d);
+            }
+        }
+        match outcome {
+            SetOutcome::Added => {
+                self.memberships += 1;
+                Added::Holder { new_block }
+            }
+            SetOutcome::TierChanged(old) => Added::TierChanged(old),
+            SetOutcome::Unchanged => Added::Unchanged,
+        }
+    }
+
+    /// Removes one membership: the tier it had, and whether the block is now gone.
+    #[inline]
+    pub(super) fn remove(
+        &mut self,
+        key: u64,
+        engine: EngineIdx,
+        engine_count: usize,
+    ) -> Option<(Tier, bool)> {
+        let Some(slot) = self.blocks.slot(key) else {
+            // Key 0 has no slot (see KeyTable); it takes the general path.
+            let holders = &mut self.blocks.get_mut(key)?.holders;
+            let tier = holders.remove(engine)?;
+            self.memberships -= 1;
+            let gone = holders.is_empty();
+            if gone {
+                self.blocks.remove(key);
+            }
+            return Some((tier, gone));
+        };
+        let holders = &mut self.blocks.at_mut(slot).holders;
+        let heap_before = holders.heap_bytes();
+        let tier = holders.remove(engine)?;
+        let len = holders.len();
+        self.heap_bytes = self.heap_bytes + holders.heap_bytes() - heap_before;
+        self.memberships -= 1;
+        // Only blocks with 16+ holders keep bitsets; skip the probe for the rest.
+        if let Some(d) = (len + 1 >= 16).then(|| self.dense.get_mut(key)).flatten() {
+            if should_stay_dense(len, engine_count) {
+                d.clear(engine);
+            } else {
+                self.heap_bytes -= d.heap_bytes();
+                self.dense.remove(key);
+            }
+        }
+        let gone = len == 0;
+        if gone {
+            self.blocks.remove_slot(slot);
+        }
+        Some((tier, gone))
+    }
+}
+
+/// Drops the membership of `holder` = (engine, shard engine count) in block `key`, keeping the
+/// engine's `tier_counts`, the partition's totals (`part` = (state, id)) and the change log in
+/// step. True if the engine held the block.
+#[inline]
+pub(super) fn drop_membership(
+    table: &mut BlockTable,
+    key: u64,
+    holder: (EngineIdx, usize),
+    tier_counts: &mut [u64; 3],
+    part: (&mut PartitionState, u32),
+    changes: Option<&mut Changes>,
+) -> bool {
+    let (eid, engine_count) = holder;
+    let Some((tier, gone)) = table.remove(key, eid, engine_count) else {
+        return false;
+    };
+    let (part, pid) = part;
+    tier_counts[tier as usize] -= 1;
+    part.memberships -= 1;
+    part.blocks -= gone as u64;
+    if let Some(c) = changes {
+        c.block(key, pid, false);
+    }
+    true
+}

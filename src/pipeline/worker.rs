@@ -1,0 +1,296 @@
+//! One shard's worker thread: applies its share of every batch in source order under the
+//! shard's write lock, skips offsets it has applied already, commits its changes with the
+//! offsets they cover, and runs its shard's spill duty between batches.
+//!
+//! A worker is the only writer of its shard: of its tables (events, restores, evictions) and
+//! of its rows in the store (checkpoint commits and write-back batches). That is what lets a
+//! commit take the change set between two events and write it without the lock, and a restore
+//! read L2 under the read lock only.
+
+use super::progress::{NONE, PartId, Progress};
+use super::spill::ShardSpill;
+use super::{Msg, ShardWork};
+use crate::event::{Event, EventKind};
+use crate::index::{ChangeSet, Index, Shard};
+use crate::metrics::Metrics;
+use crate::store::Store;
+use crate::util::{LogEvery, now_us};
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::time::{Duration, Instant};
+
+/// Failed commits are logged at most this often per shard.
+const COMMIT_WARN_EVERY: Duration = Duration::from_secs(10);
+
+/// When a shard commits: every `interval`, or after `max_events` applied events.
+#[derive(Clone, Copy, Debug)]
+pub struct CommitSettings {
+    pub interval: Duration,
+    pub max_events: u64,
+}
+
+impl Default for CommitSettings {
+    fn default() -> Self {
+        CommitSettings::from(&crate::config::CheckpointConfig::default())
+    }
+}
+
+impl From<&crate::config::CheckpointConfig> for CommitSettings {
+    fn from(c: &crate::config::CheckpointConfig) -> Self {
+        CommitSettings {
+            interval: Duration::from_millis(c.interval_ms),
+            max_events: c.max_events,
+        }
+    }
+}
+
+/// The `kvindex_events_applied_total` slot of an event kind.
+fn kind_slot(kind: EventKind) -> Option<usize> {
+    match kind {
+        EventKind::Stored => Some(0),
+        EventKind::Removed => Some(1),
+        EventKind::AllCleared => Some(2),
+        EventKind::ReplicaUpdated => Some(3),
+        EventKind::Unknown(_) => None,
+    }
+}
+
+/// What a worker shares with the pipeline that spawned it.
+pub(super) struct WorkerContext {
+    pub index: Arc<Index>,
+    pub metrics: Arc<Metrics>,
+    pub store: Arc<Store>,
+    pub progress: Arc<Progress>,
+    pub commits: CommitSettings,
+    /// The pipeline's [`close`](super::Pipeline::close) flag.
+    pub closing: Arc<AtomicBool>,
+}
+
+/// One shard's worker: applies its share of every batch, skips duplicates, commits.
+pub(super) struct Worker {
+    shard: usize,
+    ctx: WorkerContext,
+    /// Next offset applied, by [`PartId`] ([`NONE`]: nothing).
+    floors: Vec<i64>,
+    /// Partitions whose floor changed since the last commit.
+    dirty: Vec<PartId>,
+    applied_since_commit: u64,
+    next_commit: Instant,
+    commit_warnings: LogEvery,
+    /// The shard's bounded-L1 duty.
+    spill: ShardSpill,
+}
+
+impl Worker {
+    pub(super) fn new(shard: usize, ctx: WorkerContext, spill: ShardSpill) -> Worker {
+        let mut w = Worker {
+            shard,
+            next_commit: Instant::now() + ctx.commits.interval,
+            ctx,
+            floors: Vec::new(),
+            dirty: Vec::new(),
+            applied_since_commit: 0,
+            commit_warnings: LogEvery::new(COMMIT_WARN_EVERY),
+            spill,
+        };
+        // Floors restored from the store (Progress::restore) before the workers started.
+        for id in 0..w.ctx.progress.len() as PartId {
+            let next = w.ctx.progress.get(id).applied_at(shard);
+            if next != NONE {
+                *w.floor_mut(id) = next;
+            }
+        }
+        w
+    }
+
+    fn floor_mut(&mut self, part: PartId) -> &mut i64 {
+        let i = part as usize;
+        if self.floors.len() <= i {
+            self.floors.resize(i + 1, NONE);
+        }
+        &mut self.floors[i]
+    }
+
+    fn mark_dirty(&mut self, part: PartId) {
+        if !self.dirty.contains(&part) {
+            self.dirty.push(part);
+        }
+    }
+
+    /// While L1 is at its hard cap (the breaker keeps write-back from freeing it), take no
+    /// events: the queue fills and the sources stop pulling. Commits and write-back retry.
+    /// Not once the pipeline is closing (see [`super::Pipeline::close`]).
+    fn hold_while_full(&mut self) {
+        while !self.ctx.closing.load(Relaxed) && self.spill.must_pause() {
+            if Instant::now() >= self.next_commit {
+                self.commit();
+            }
+            self.spill.maintain();
+            if self.spill.must_pause() {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    }
+
+    pub(super) fn run(&mut self, rx: Receiver<Msg>) {
+        loop {
+            self.hold_while_full();
+            let wait = self.next_commit.saturating_duration_since(Instant::now());
+            match rx.recv_timeout(wait) {
+                Ok(Msg::Work(w)) => self.apply(w),
+                Ok(Msg::Barrier(ack)) => {
+                    let _ = ack.send(());
+                }
+                Ok(Msg::Persist(ack)) => {
+                    let ok = self.commit();
+                    let _ = ack.send(ok);
+                }
+                Ok(Msg::Forget(part, ack)) => {
+                    *self.floor_mut(part) = NONE;
+                    self.dirty.retain(|&p| p != part);
+                    let p = self.ctx.progress.get(part);
+                    p.set_applied(self.shard, NONE);
+                    p.set_durable(self.shard, NONE);
+                    let _ = ack.send(());
+                }
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => break,
+            }
+            if Instant::now() >= self.next_commit
+                || self.applied_since_commit >= self.ctx.commits.max_events
+            {
+                self.commit();
+            }
+            self.spill.maintain();
+        }
+        // Shutdown: make what was applied durable.
+        self.commit();
+    }
+
+    fn apply(&mut self, work: ShardWork) {
+        let now = now_us();
+        let index = self.ctx.index.clone();
+        let mut guard = index.shard(self.shard).write();
+        let mut start = 0;
+        for span in &work.spans {
+            let events = &work.events[start..span.end];
+            start = span.end;
+            let p = self.ctx.progress.get(span.part);
+            let floor = self.floor_mut(span.part);
+            if span.offset < *floor {
+                let n = events.len() as u64;
+                p.duplicates.fetch_add(n, Relaxed);
+                self.ctx.metrics.count_duplicates(n);
+                continue;
+            }
+            *floor = span.offset + 1;
+            for ev in events {
+                self.apply_one(&mut guard, ev, now);
+            }
+            p.events_applied.fetch_add(events.len() as u64, Relaxed);
+            self.applied_since_commit += events.len() as u64;
+        }
+        drop(guard);
+        for &(part, next) in &work.delivered {
+            let floor = self.floor_mut(part);
+            if next > *floor {
+                *floor = next;
+            }
+            let value = *floor;
+            self.mark_dirty(part);
+            self.ctx.progress.get(part).set_applied(self.shard, value);
+        }
+    }
+
+    fn apply_one(&self, shard: &mut Shard, ev: &Event, now: i64) {
+        match shard.apply(ev, now) {
+            Ok(ops) => {
+                if let Some(slot) = kind_slot(ev.kind) {
+                    self.ctx.metrics.count_applied(slot, ops);
+                }
+            }
+            Err(reason) => {
+                self.ctx.metrics.count_skipped(reason.reason());
+                tracing::warn!(shard = self.shard, engine = %ev.engine, model = %ev.partition.model, adapter = %ev.partition.adapter, reason = reason.reason(), error = %reason, "event not applied");
+            }
+        }
+    }
+
+    /// After a commit: the durable ids of engines and partitions that just got them, so the
+    /// shard can read and write their L2 rows.
+    fn learn_durable_ids(&self, changes: &ChangeSet) {
+        let mut shard = self.ctx.index.shard(self.shard).write();
+        let known = shard.durable_ids_known();
+        if known == (shard.engines().len(), shard.partitions().len()) {
+            return;
+        }
+        let (engines, partitions) = self
+            .ctx
+            .store
+            .durable_ids(&changes.engine_names, &changes.partitions);
+        for (local, durable) in engines {
+            shard.learn_durable_engine(local, durable);
+        }
+        for (local, durable) in partitions {
+            shard.learn_durable_partition(local, durable);
+        }
+    }
+
+    /// Commits the shard's changes and dirty floors in one batch, through the L2 circuit
+    /// breaker (the commit is L2's main writer). `true` on success or when there was nothing
+    /// to commit. A commit that fails, or that the open breaker refuses, hands its changes back
+    /// to the shard: the next one carries them.
+    fn commit(&mut self) -> bool {
+        self.next_commit = Instant::now() + self.ctx.commits.interval;
+        self.applied_since_commit = 0;
+        let lock = self.ctx.index.shard(self.shard);
+        let changes = {
+            let mut shard = lock.write();
+            if !shard.has_changes() && self.dirty.is_empty() {
+                return true;
+            }
+            shard.take_changes()
+        };
+        let parts: Vec<_> = self
+            .dirty
+            .iter()
+            .map(|&id| (id, self.ctx.progress.get(id)))
+            .collect();
+        let offsets: Vec<(String, i32, i64)> = parts
+            .iter()
+            .map(|(id, p)| (p.source.to_string(), p.partition, self.floors[*id as usize]))
+            .filter(|o| o.2 != NONE)
+            .collect();
+        let started = Instant::now();
+        let Ok(permit) = self.spill.breaker().try_acquire() else {
+            lock.write().requeue_changes(&changes);
+            self.spill.count_commit(false, true);
+            return false;
+        };
+        let written = self.ctx.store.commit(self.shard as u16, &changes, &offsets);
+        match written {
+            Ok(()) => {
+                permit.succeeded();
+                self.learn_durable_ids(&changes);
+                for (id, p) in &parts {
+                    p.set_durable(self.shard, self.floors[*id as usize]);
+                }
+                self.dirty.clear();
+                self.ctx.metrics.observe_commit(started.elapsed());
+                true
+            }
+            Err(e) => {
+                permit.failed();
+                self.spill.count_commit(true, false);
+                lock.write().requeue_changes(&changes);
+                self.ctx.metrics.count_commit_failure();
+                if self.commit_warnings.ready() {
+                    tracing::error!(shard = self.shard, error = %e, "commit to the store failed; retrying (nothing is acknowledged upstream until it succeeds)");
+                }
+                false
+            }
+        }
+    }
+}
