@@ -1,4 +1,4 @@
-//! Index benches (issue targets, one core): apply throughput of 128-block chains over 1,000
+//! Index benches (one core): apply throughput of 128-block chains over 1,000
 //! engines and 16 adapters; lookup latency of a 128-block query against 1,000 engines holding
 //! overlapping prefixes (p50/p99 printed besides criterion's mean); L1 bytes per membership at
 //! 10 M memberships.

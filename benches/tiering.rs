@@ -1,4 +1,4 @@
-//! Lookups over a bounded L1 (issue 4): the same 32-block queries against an index that
+//! Lookups over a bounded L1: the same 32-block queries against an index that
 //! holds every block in memory (the baseline) and against one whose L1 is small enough that
 //! at least 90% of the blocks the queries meet live only in RocksDB (L2), read through on
 //! every lookup (`restore_on_read` off, so they stay there). p50 / p99 are printed besides
@@ -172,7 +172,7 @@ fn bench_tiered_lookup(c: &mut Criterion) {
             )
         })
         .collect();
-    // The issue's case: 90% of the queried blocks live only in L2. Shrink L1 until they do.
+    // The target case: 90% of the queried blocks live only in L2. Shrink L1 until they do.
     let (bounded, in_l2) = [0.1, 0.07, 0.05, 0.035, 0.025, 0.015]
         .into_iter()
         .map(|fraction| {

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Ingest harness (issue 3): `kvindex produce` into a broker + `kvindex serve`, rates read
+"""Ingest harness: `kvindex produce` into a broker + `kvindex serve`, rates read
 from `/v1/stats`.
 
   scripts/bench_ingest.py --bin BIN --source kafka --requests 20000

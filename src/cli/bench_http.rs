@@ -1,7 +1,7 @@
 //! `kvindex bench http`: lookups per second over HTTP from an index much larger than its L1
-//! budget (the write-back issue's harness).
+//! budget (the bounded L1's harness).
 //!
-//! 1. **Build** (once per data dir, [`bench_setup::build_once`]): `--memberships` through the
+//! 1. **Build** (once per data dir, [`bench_build::build_once`]): `--memberships` through the
 //!    real durable pipeline, unbounded; what that index takes in memory is recorded as the
 //!    yardstick (`bench-index.json`), with 4,096 lookup bodies sampled from the fleet's live
 //!    prompts (`bench-queries.jsonl`).
@@ -12,9 +12,12 @@
 //!    lookups/s, latency percentiles, non-200 answers, how many lookups went to L2 (from
 //!    `/v1/stats`), and the server's resident set against its budget.
 
-use super::bench_setup::{self, HttpClient, Served};
+use super::bench_build;
+use super::{SPAWN_TIMEOUT, STOP_TIMEOUT};
 use anyhow::{Context, bail};
+use kvindex::bench::harness::{HttpClient, Spawned};
 use serde_json::Value;
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -85,7 +88,7 @@ impl LoadReport {
 
 /// One client thread: posts `queries` (starting at `first`) until `stop`.
 fn client(
-    addr: &str,
+    addr: SocketAddr,
     queries: &[Vec<u8>],
     first: usize,
     stop: &AtomicBool,
@@ -112,7 +115,7 @@ fn client(
 
 /// `connections` clients for `duration`; latencies sorted.
 fn load(
-    addr: &str,
+    addr: SocketAddr,
     queries: &Arc<Vec<Vec<u8>>>,
     connections: usize,
     duration: Duration,
@@ -121,9 +124,9 @@ fn load(
     let started = Instant::now();
     let threads: Vec<_> = (0..connections)
         .map(|c| {
-            let (addr, queries, stop) = (addr.to_string(), queries.clone(), stop.clone());
+            let (queries, stop) = (queries.clone(), stop.clone());
             let first = c * queries.len() / connections.max(1);
-            std::thread::spawn(move || client(&addr, &queries, first, &stop))
+            std::thread::spawn(move || client(addr, &queries, first, &stop))
         })
         .collect();
     std::thread::sleep(duration);
@@ -140,7 +143,7 @@ fn load(
     Ok(report)
 }
 
-fn get_stats(addr: &str) -> anyhow::Result<Value> {
+fn get_stats(addr: SocketAddr) -> anyhow::Result<Value> {
     let (status, body) = HttpClient::connect(addr)?.request("GET", "/v1/stats", b"")?;
     if status != 200 {
         bail!("/v1/stats answered {status}");
@@ -160,8 +163,8 @@ pub fn http(args: HttpArgs) -> anyhow::Result<()> {
     if args.connections == 0 || args.seconds == 0 {
         bail!("--connections and --seconds must be at least 1");
     }
-    bench_setup::build_once(&args.data_dir, args.memberships, 0)?;
-    let mut queries = bench_setup::read_queries(&args.data_dir)?;
+    bench_build::build_once(&args.data_dir, args.memberships, 0)?;
+    let mut queries = bench_build::read_queries(&args.data_dir)?;
     if let Some(n) = args.limit {
         queries = queries
             .iter()
@@ -170,7 +173,7 @@ pub fn http(args: HttpArgs) -> anyhow::Result<()> {
     }
     let queries = Arc::new(queries);
     let built: Value = serde_json::from_slice(
-        &std::fs::read(bench_setup::built_file(&args.data_dir))
+        &std::fs::read(bench_build::built_file(&args.data_dir))
             .context("reading bench-index.json (use a fresh --data-dir)")?,
     )?;
     let config = args.data_dir.join("bench-http.toml");
@@ -179,9 +182,14 @@ pub fn http(args: HttpArgs) -> anyhow::Result<()> {
         format!("[index]\nl1_max_bytes = {}\n", args.l1_max_bytes),
     )?;
 
-    let served = Served::spawn(&args.data_dir, Some(&config))?;
+    let served = Spawned::serve(
+        &std::env::current_exe()?,
+        &args.data_dir,
+        Some(&config),
+        SPAWN_TIMEOUT,
+    )?;
     served.wait_answering(Duration::from_secs(300))?;
-    let before = get_stats(&served.addr)?;
+    let before = get_stats(served.http)?;
     let unbounded = number(&built, "/l1_bytes");
     println!(
         "index: {} memberships, {:.1} MiB unbounded = {:.1}× the L1 budget of {:.1} MiB; \
@@ -197,14 +205,14 @@ pub fn http(args: HttpArgs) -> anyhow::Result<()> {
 
     let run = |seconds| {
         let duration = Duration::from_secs(seconds);
-        load(&served.addr, &queries, args.connections, duration)
+        load(served.http, &queries, args.connections, duration)
     };
     run(args.warmup)?;
-    let start = get_stats(&served.addr)?;
+    let start = get_stats(served.http)?;
     let cpu_start = served.cpu_time();
     let r = run(args.seconds)?;
     let cpu_end = served.cpu_time();
-    let end = get_stats(&served.addr)?;
+    let end = get_stats(served.http)?;
     let answered = r.latencies_us.len() as u64;
     let delta = |path: &str| number(&end, path).saturating_sub(number(&start, path));
     println!(
@@ -248,5 +256,6 @@ pub fn http(args: HttpArgs) -> anyhow::Result<()> {
             mib(args.l1_max_bytes)
         );
     }
-    served.stop()
+    served.terminate(STOP_TIMEOUT)?;
+    Ok(())
 }

@@ -1,14 +1,16 @@
 //! `kvindex bench restart`: how long a restart takes until the first lookup is answered, for a
 //! durable index of a given size and a given length of event history behind it.
 //!
-//! 1. **Build** (once per data dir, [`bench_setup::build_once`]): fleet traffic goes through
+//! 1. **Build** (once per data dir, [`bench_build::build_once`]): fleet traffic goes through
 //!    the real durable pipeline until the index holds `--memberships`, then churn until the
 //!    history counts `--history` events.
 //! 2. **Measure**: `kvindex serve` on that data dir is started `--runs` times; each run is timed
 //!    from the spawn to the first `200` of `POST /v1/lookup`, then stopped. The median is
 //!    printed.
 
-use super::bench_setup::{self, Served};
+use super::bench_build;
+use super::{SPAWN_TIMEOUT, STOP_TIMEOUT};
+use kvindex::bench::harness::Spawned;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -31,15 +33,20 @@ pub struct RestartArgs {
 /// Spawns `serve` on the data dir and times spawn → first lookup answered.
 fn time_restart(args: &RestartArgs) -> anyhow::Result<Duration> {
     let started = Instant::now();
-    let served = Served::spawn(&args.data_dir, None)?;
+    let served = Spawned::serve(
+        &std::env::current_exe()?,
+        &args.data_dir,
+        None,
+        SPAWN_TIMEOUT,
+    )?;
     served.wait_answering(Duration::from_secs(300))?;
     let took = started.elapsed();
-    served.stop()?;
+    served.terminate(STOP_TIMEOUT)?;
     Ok(took)
 }
 
 pub fn restart(args: RestartArgs) -> anyhow::Result<()> {
-    bench_setup::build_once(&args.data_dir, args.memberships, args.history)?;
+    bench_build::build_once(&args.data_dir, args.memberships, args.history)?;
     let mut times = Vec::new();
     if args.runs == 0 {
         return Ok(());

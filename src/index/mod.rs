@@ -144,6 +144,13 @@ pub struct EngineInfo {
     pub last_seen_us: i64,
 }
 
+/// The L1 side of one shard: what counts against its share of `l1_max_bytes`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct L1Usage {
+    pub bytes: u64,
+    pub entries: usize,
+}
+
 /// Index-wide counts.
 #[derive(Clone, Debug, Default)]
 pub struct IndexStats {
@@ -208,9 +215,51 @@ impl Index {
         self.shards.len()
     }
 
-    /// Direct access to one shard's lock (for shard workers and the replay bench).
+    /// One shard's lock, for the shard's owners only: its worker (`pipeline/worker.rs`), the
+    /// warm load at start (`service.rs`), and tests and benches that drive a shard directly.
+    /// Everyone else goes through the methods below.
     pub fn shard(&self, i: usize) -> &RwLock<Shard> {
         &self.shards[i]
+    }
+
+    /// What each shard's L1 holds now, by shard.
+    pub fn l1_usage(&self) -> Vec<L1Usage> {
+        (0..self.shards.len())
+            .map(|i| self.l1_usage_of(i))
+            .collect()
+    }
+
+    /// What shard `i`'s L1 holds now.
+    pub fn l1_usage_of(&self, i: usize) -> L1Usage {
+        let shard = self.shards[i].read();
+        L1Usage {
+            bytes: shard.l1_bytes(),
+            entries: shard.l1_entries(),
+        }
+    }
+
+    /// The blocks lookups found only in shard `i`'s L2 since the last call
+    /// (`restore_on_read`).
+    pub fn take_promotions(&self, i: usize) -> Vec<u64> {
+        self.shards[i].read().take_promotions()
+    }
+
+    /// Brings `keys` of shard `i` back from L2 into L1, as many as fit below `limit_bytes`
+    /// (the first keys first); returns how many came back. The L2 reads run under the read
+    /// lock (lookups go on), only the inserts take the write lock. Call it only from the
+    /// shard's worker: nothing may change the shard's L2 rows between the two.
+    pub fn restore_within(&self, i: usize, mut keys: Vec<u64>, limit_bytes: u64) -> usize {
+        let lock = &self.shards[i];
+        let rows = {
+            let shard = lock.read();
+            let room = limit_bytes.saturating_sub(shard.l1_bytes());
+            keys.truncate((room / Shard::restore_cost(&[0])) as usize);
+            shard.fetch_restores(&keys)
+        };
+        if rows.is_empty() {
+            return 0;
+        }
+        lock.write().insert_restored(rows)
     }
 
     /// Turns on change tracking in every shard (see [`Shard::enable_change_tracking`]): the

@@ -107,15 +107,13 @@ impl Spill {
     pub fn stats(&self) -> SpillStats {
         let mut s = SpillStats::counters(&self.metrics, self.breaker.snapshot());
         let shards = self.index.shard_count() as u64;
-        for i in 0..self.index.shard_count() {
-            let shard = self.index.shard(i).read();
-            s.l1_bytes += shard.l1_bytes();
-            s.l1_entries += shard.l1_entries() as u64;
-        }
+        let l1 = self.index.l1_usage();
+        s.l1_bytes = l1.iter().map(|u| u.bytes).sum();
+        s.l1_entries = l1.iter().map(|u| u.entries as u64).sum();
         s.l1_max_bytes = self.settings.l1_max_bytes * shards;
         s.l1_high_watermark_bytes = self.settings.high_bytes() * shards;
         s.l1_hard_cap_bytes = self.settings.cap_bytes() * shards;
-        s.backpressure = self.index_paused();
+        s.backpressure = l1.iter().any(|u| u.bytes >= self.settings.cap_bytes());
         s.l2_entries = self.store.l2_entries();
         let t = &self.read_stats;
         s.l2_reads = t.l2_reads.load(Relaxed);
@@ -123,11 +121,6 @@ impl Spill {
         s.l2_read_errors = t.l2_read_errors.load(Relaxed);
         s.restored = t.restored.load(Relaxed);
         s
-    }
-
-    fn index_paused(&self) -> bool {
-        (0..self.index.shard_count())
-            .any(|i| self.index.shard(i).read().l1_bytes() >= self.settings.cap_bytes())
     }
 }
 
@@ -167,14 +160,14 @@ impl ShardSpill {
     /// What still does not fit below the high watermark stays in L2 (and is found there); the
     /// first blocks queued go first (query prefixes, the part every lookup needs).
     fn restore_requested(&mut self) {
-        let mut keys = self.index.shard(self.shard).read().take_promotions();
+        let keys = self.index.take_promotions(self.shard);
         if keys.is_empty() {
             return;
         }
         let need = Shard::restore_cost(&keys);
         let settings = self.controller.settings();
         let high = settings.high_bytes();
-        let used = self.index.shard(self.shard).read().l1_bytes();
+        let used = self.index.l1_usage_of(self.shard).bytes;
         if used + need > high
             && settings.emergency_evict_for_restore
             && let Err(e) = self
@@ -183,18 +176,7 @@ impl ShardSpill {
         {
             tracing::debug!(shard = self.shard, error = %e, "no room made for restores");
         }
-        // The L2 reads happen under the read lock (lookups go on); only the inserts take the
-        // write lock. Nothing changes this shard's L2 rows in between: this worker is their
-        // only writer.
-        let lock = self.index.shard(self.shard);
-        let rows = {
-            let shard = lock.read();
-            let room = high.saturating_sub(shard.l1_bytes());
-            keys.truncate((room / Shard::restore_cost(&[0])) as usize);
-            shard.fetch_restores(&keys)
-        };
-        if !rows.is_empty() {
-            lock.write().insert_restored(rows);
-        }
+        // Sound here: this worker is the only writer of the shard's L2 rows.
+        self.index.restore_within(self.shard, keys, high);
     }
 }

@@ -58,7 +58,7 @@ pub const EMERGENCY_BUDGET: Duration = Duration::from_secs(1);
 pub const DEFAULT_WRITE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// The controller's settings (the validated `[index]` and `[writeback]` keys, in bytes and
-/// durations, plus the bounds the issue fixes).
+/// durations, plus the fixed bounds above).
 #[derive(Clone, Debug, PartialEq)]
 pub struct SpillSettings {
     pub l1_max_bytes: u64,

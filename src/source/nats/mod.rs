@@ -74,6 +74,7 @@ use super::{
     TENANT_HEADER,
 };
 use crate::config::NatsConfig;
+use crate::util::{Backoff, LogEvery};
 use async_nats::Subject;
 use async_nats::jetstream::{
     self,
@@ -179,7 +180,7 @@ struct Js {
     /// Reconnect count when the current reader was positioned.
     seen_connects: u64,
     retry_at: Option<Instant>,
-    retry_delay: Duration,
+    retry: Backoff,
     refresher: JoinHandle<()>,
 }
 
@@ -217,7 +218,6 @@ pub struct NatsSource {
 }
 
 /// What the source has run into since it connected (all zero / empty at first).
-#[derive(Default)]
 struct Health {
     /// The divergence consuming is stopped on, if any.
     divergence: Option<Divergence>,
@@ -226,7 +226,21 @@ struct Health {
     repositions: u64,
     /// A `reset_on_divergence` restart not yet taken by the caller.
     reset: Option<(Divergence, i64)>,
-    last_warn: Option<Instant>,
+    /// Pull and positioning failures, logged at most every [`WARN_EVERY`].
+    warnings: LogEvery,
+}
+
+impl Default for Health {
+    fn default() -> Self {
+        Health {
+            divergence: None,
+            divergences: 0,
+            redeliveries: 0,
+            repositions: 0,
+            reset: None,
+            warnings: LogEvery::new(WARN_EVERY),
+        }
+    }
 }
 
 fn nats_err(what: &str, e: impl std::fmt::Display) -> SourceError {
@@ -330,7 +344,7 @@ impl NatsSource {
                 held: VecDeque::new(),
                 seen_connects: 0,
                 retry_at: None,
-                retry_delay: RETRY_MIN,
+                retry: Backoff::new(RETRY_MIN, RETRY_MAX),
                 refresher,
             })),
             stats,
@@ -499,21 +513,8 @@ impl NatsSource {
         }
     }
 
-    fn warn_limited(&mut self) -> bool {
-        let now = Instant::now();
-        if self
-            .health
-            .last_warn
-            .is_some_and(|t| now.duration_since(t) < WARN_EVERY)
-        {
-            return false;
-        }
-        self.health.last_warn = Some(now);
-        true
-    }
-
     fn reader_failed(&mut self, why: &str) {
-        if self.warn_limited() {
+        if self.health.warnings.ready() {
             tracing::warn!(
                 position = self.position,
                 error = why,
@@ -522,8 +523,7 @@ impl NatsSource {
         }
         let js = self.js_mut();
         js.reader = None;
-        js.retry_at = Some(Instant::now() + js.retry_delay);
-        js.retry_delay = (js.retry_delay * 2).min(RETRY_MAX);
+        js.retry_at = Some(Instant::now() + js.retry.next_delay());
     }
 
     /// Repositions if connected and not backing off; true when a reader is ready.
@@ -544,18 +544,17 @@ impl NatsSource {
                 self.health.repositions += 1;
                 let js = self.js_mut();
                 js.retry_at = None;
-                js.retry_delay = RETRY_MIN;
+                js.retry.reset();
                 return js.reader.is_some();
             }
             Ok(Err(e)) => e.to_string(),
             Err(_) => "timed out".to_string(),
         };
-        if self.warn_limited() {
+        if self.health.warnings.ready() {
             tracing::warn!(position = self.position, error = %error, "nats: cannot position the consumer; retrying");
         }
         let js = self.js_mut();
-        js.retry_at = Some(Instant::now() + js.retry_delay);
-        js.retry_delay = (js.retry_delay * 2).min(RETRY_MAX);
+        js.retry_at = Some(Instant::now() + js.retry.next_delay());
         false
     }
 

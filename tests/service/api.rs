@@ -2,12 +2,13 @@
 //! the JSON error contract, `/metrics` format, conformance of every route and body with
 //! `schemas/openapi.yaml`, and one real server over TCP.
 
+use crate::support::events;
 use axum::Router;
 use axum::body::Body;
 use axum::http::{HeaderMap, Request, StatusCode, header};
 use http_body_util::BodyExt;
 use kvindex::api::{self, AppState, ROUTES};
-use kvindex::event::{BlockContent, EngineHash, Event, EventKind, PartitionKey, Tier};
+use kvindex::event::{Event, PartitionKey, Tier};
 use kvindex::index::{Index, IndexSettings};
 use kvindex::ingest::SourceStatus;
 use kvindex::metrics::Metrics;
@@ -30,26 +31,21 @@ fn stored_tokens(engine: &str, p: PartitionKey, blocks: u32, tier: Tier) -> Even
 }
 
 fn stored_tokens_bs(engine: &str, p: PartitionKey, blocks: u32, bs: u32, tier: Tier) -> Event {
-    let mut ev = Event::new(EventKind::Stored, engine, p);
-    ev.block_hashes = (0..blocks)
-        .map(|i| EngineHash(1000 + u64::from(i)))
-        .collect();
-    ev.content = BlockContent::Tokens {
-        token_ids: tokens(blocks * bs),
-        block_size: bs,
-    };
-    ev.tier = tier;
-    ev
+    events::stored(engine, p)
+        .hashes((0..blocks).map(|i| 1000 + u64::from(i)))
+        .tokens(tokens(blocks * bs), bs)
+        .tier(tier)
+        .event()
 }
 
 fn stored_hashes(engine: &str, p: PartitionKey) -> Event {
-    let mut ev = Event::new(EventKind::Stored, engine, p);
-    ev.block_hashes = vec![
-        EngineHash::from_bytes(&[0, 0, 0, 0, 0, 0, 0, 0xff]),
-        EngineHash(0xdead_beef),
-        EngineHash::from_bytes(&HASH_32),
-    ];
-    ev
+    events::stored(engine, p)
+        .hash_bytes(&[
+            &[0, 0, 0, 0, 0, 0, 0, 0xff],
+            &0xdead_beefu64.to_be_bytes(),
+            &HASH_32,
+        ])
+        .event()
 }
 
 fn llama(adapter: &str) -> PartitionKey {

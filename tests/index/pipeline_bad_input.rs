@@ -2,12 +2,11 @@
 //! payload, in every encoding, is rejected with a counted reason that `/v1/stats` and
 //! `/metrics` show, and the next good event is still applied. Nothing panics, nothing blocks.
 
+use crate::support::events;
 use http_body_util::BodyExt;
 use kvindex::api::{AppState, router};
 use kvindex::config::Config;
-use kvindex::event::{
-    BlockContent, DecodeSettings, EngineHash, Event, EventKind, Format, PartitionKey, encode,
-};
+use kvindex::event::{DecodeSettings, EngineHash, Event, EventKind, Format, PartitionKey, encode};
 use kvindex::index::{Index, QueryBlocks};
 use kvindex::service::Service;
 use kvindex::source::Message;
@@ -45,13 +44,10 @@ fn ingest(service: &Service, offset: &mut i64, payload: &[u8], opts: &DecodeSett
 }
 
 fn stored(engine: &str, first_token: u32) -> Event {
-    let mut ev = Event::new(EventKind::Stored, engine, PartitionKey::new("t", "m", ""));
-    ev.block_hashes = vec![EngineHash(first_token as u64 + 1)];
-    ev.content = BlockContent::Tokens {
-        token_ids: (first_token..first_token + 4).collect(),
-        block_size: 4,
-    };
-    ev
+    events::stored(engine, PartitionKey::new("t", "m", ""))
+        .hashes([u64::from(first_token) + 1])
+        .tokens(first_token..first_token + 4, 4)
+        .event()
 }
 
 fn holds(index: &Index, engine: &str, first_token: u32) -> bool {

@@ -10,6 +10,7 @@
 //! is keyed by (Kafka) or addressed to (NATS subject) the engine whose events it holds, and each
 //! engine's events arrive complete and in order.
 
+use crate::support::{require_nats, unique_id};
 use kvindex::event::{DecodeSettings, Envelope, Event, EventKind, Format, decode_payload};
 use kvindex::sim::{Fleet, FleetSettings};
 use kvindex::source::EmbeddedBroker;
@@ -19,7 +20,6 @@ use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::process::Command;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 const NATS_URL: &str = "nats://127.0.0.1:4222";
@@ -147,19 +147,6 @@ fn total<T>(m: &BTreeMap<String, Vec<T>>) -> u64 {
     m.values().map(|v| v.len() as u64).sum()
 }
 
-fn unique_id() -> String {
-    static N: AtomicU64 = AtomicU64::new(0);
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .subsec_nanos();
-    format!(
-        "p{}x{nanos:x}x{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::SeqCst)
-    )
-}
-
 /// Reads every message of `topic` from the beginning until `want` arrived (bounded):
 /// (partition, key, payload).
 fn consume_all(
@@ -205,7 +192,7 @@ fn consume_all(
 
 #[test]
 fn produces_to_kafka_keyed_by_engine() {
-    let topic = format!("kv-events-{}", unique_id());
+    let topic = format!("kv-events-{}", unique_id("p"));
     let broker = EmbeddedBroker::start(&topic, 16).expect("embedded broker");
     let (seed, requests) = (7, 1500);
     let summary = run_produce(&[
@@ -337,20 +324,6 @@ fn count_frames(path: &Path) -> u64 {
 // ---------------------------------------------------------------------------------------------
 // NATS JetStream
 
-async fn require_nats(url: &str) -> async_nats::Client {
-    let connect = async_nats::ConnectOptions::new()
-        .connection_timeout(Duration::from_secs(3))
-        .connect(url);
-    match tokio::time::timeout(Duration::from_secs(5), connect).await {
-        Ok(Ok(c)) => c,
-        other => panic!(
-            "these tests need a NATS server with JetStream at {url} (scripts/setup.sh starts \
-             one: nats-server -a 127.0.0.1 -p 4222 -js); connecting failed: {:?}",
-            other.map(|r| r.err())
-        ),
-    }
-}
-
 /// Deletes the test's stream when dropped (also when the test panics).
 struct StreamGuard {
     stream: String,
@@ -384,7 +357,7 @@ impl Drop for StreamGuard {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn produces_to_nats_jetstream_by_engine_subject() {
     let client = require_nats(NATS_URL).await;
-    let id = unique_id();
+    let id = unique_id("p");
     let guard = StreamGuard {
         stream: format!("KVTEST_PRODUCE_{id}"),
     };

@@ -6,10 +6,8 @@
 //! answers, it must answer exactly what the general parser does, errors included; and it must
 //! answer for the bodies routers send, or it would accelerate nothing.
 
-mod support;
-
+use crate::support::TestRng as Rng;
 use kvindex::api::request::{parse_lookup, parse_lookup_fast, parse_lookup_general};
-use support::TestRng as Rng;
 
 fn pick<'a>(rng: &mut Rng, from: &[&'a str]) -> &'a str {
     from[rng.below(from.len() as u64) as usize]

@@ -1,5 +1,6 @@
-//! The event-semantics contract of DESIGN.md, pinned rule by rule against the real `Index`,
-//! plus a randomized comparison with an independent reference model.
+//! The event-semantics contract (the README's "Events" section: stores, removals, clears and
+//! the eviction-scope rule), pinned rule by rule against the real `Index`, plus a randomized
+//! comparison with an independent reference model.
 
 use kvindex::event::{BlockContent, EngineHash, Event, EventKind, PartitionKey, Tier};
 use kvindex::index::{EngineMatch, Index, IndexSettings, QueryBlocks, SkipReason};

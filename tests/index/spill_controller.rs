@@ -4,8 +4,7 @@
 //! The invariant checked after (almost) every step: for every key, L1's value if resident,
 //! else L2's durable value, equals the reference model. A key absent from both is absent.
 
-mod support;
-
+use crate::support::TestRng as Rng;
 use kvindex::spill::testing::{Fault, FaultHandle, FaultInjector, ManualClock, MemL1};
 use kvindex::spill::{
     BreakerState, CircuitBreaker, EmergencyError, L2Error, L2Row, L2Sink, SpillController, SpillL1,
@@ -17,7 +16,6 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use support::TestRng as Rng;
 
 type Reference = BTreeMap<Vec<u8>, Vec<u8>>;
 type Ctl = SpillController<Arc<MemL1>, FaultInjector<StoreSink>>;

@@ -3,8 +3,7 @@
 //! `--reset-on-divergence`, broker faults, and NATS JetStream (at 127.0.0.1:4222; these
 //! tests fail if it is not running).
 
-mod support;
-
+use crate::support::*;
 use kvindex::event::{Event, PartitionKey, encode};
 use kvindex::index::{Index, IndexSettings};
 use kvindex::sim::{Fleet, FleetSettings};
@@ -12,7 +11,6 @@ use kvindex::source::nats::NatsPublisher;
 use kvindex::source::{EmbeddedBroker, KafkaPublisher};
 use serde_json::{Value, json};
 use std::time::Duration;
-use support::*;
 
 const SEED: u64 = 0x6b76_696e_6465_7831;
 const START: Duration = Duration::from_secs(60);

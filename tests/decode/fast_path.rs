@@ -10,15 +10,13 @@
 //! vLLM: token ids and block hashes in every msgpack integer form decode to the same values
 //! as before, and a bad item after a run of good ones still gets the general reader's error.
 
-mod support;
-
+use crate::support::TestRng as Rng;
 use kvindex::event::decode::{DecodeSettings, Format};
 use kvindex::event::proto::{decode, decode_fast, decode_prost};
 use kvindex::event::{
     BlockContent, DecodeError, EngineHash, Envelope, Event, EventKind, PartitionKey, VllmSettings,
     decode_payload, encode,
 };
-use support::TestRng as Rng;
 
 /// Protobuf wire writer with knobs prost's encoder never turns.
 #[derive(Default)]

@@ -6,8 +6,7 @@
 //! without losing an event; `/v1/stats` reports it all. (`tests/serve_crash.rs` kills a
 //! tiny-L1 `kvindex serve` 24 times.)
 
-mod support;
-
+use crate::support::{Fingerprint, fingerprint, wait_for};
 use kvindex::config::Config;
 use kvindex::event::{DecodeSettings, Event, encode};
 use kvindex::index::ShardL1;
@@ -23,7 +22,6 @@ use kvindex::spill::{
 use kvindex::store::{Store, StoreSettings, StoreSink};
 use std::sync::Arc;
 use std::time::Duration;
-use support::{Fingerprint, fingerprint, wait_for};
 
 const SOURCE: &str = "kafka:kv-spill";
 const BLOCK_SIZE: u32 = 16;

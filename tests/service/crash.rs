@@ -12,8 +12,7 @@
 //! (64 KiB), so most of the state lives only in RocksDB (L2) and every crash also interrupts
 //! write-back and read-through.
 
-mod support;
-
+use crate::support::*;
 use kvindex::config::Config;
 use kvindex::index::{Index, IndexSettings};
 use kvindex::service::Service;
@@ -21,7 +20,6 @@ use kvindex::sim::{Fleet, FleetSettings, Rng};
 use kvindex::source::{EmbeddedBroker, KafkaPublisher};
 use std::process::{Command, Stdio};
 use std::time::Duration;
-use support::*;
 
 const TOPIC: &str = "kv-crash";
 const TRIALS: usize = 24;

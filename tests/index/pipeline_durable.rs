@@ -3,15 +3,13 @@
 //! duplicates and leave the state unchanged; offsets survive a reopen, and events below a
 //! shard's durable offset are not applied twice after it.
 
-mod support;
-
+use crate::support::fingerprint;
 use kvindex::config::Config;
 use kvindex::event::{DecodeSettings, encode};
 use kvindex::service::Service;
 use kvindex::sim::{Fleet, FleetSettings};
 use kvindex::source::{EventSource, Message};
 use std::sync::atomic::Ordering::Relaxed;
-use support::fingerprint;
 
 const SOURCE: &str = "kafka:kv-test";
 
@@ -173,7 +171,7 @@ async fn a_seek_back_on_a_real_broker_is_skipped_and_counted() {
     let mut fleet = Fleet::new(FleetSettings::default());
     let mut messages = 0;
     for _ in 0..80 {
-        messages += support::publish_kafka(&publisher, &fleet.next_request()).await;
+        messages += crate::support::publish_kafka(&publisher, &fleet.next_request()).await;
     }
     publisher
         .flush(std::time::Duration::from_secs(30))

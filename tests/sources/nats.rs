@@ -3,8 +3,7 @@
 //! restarts. Every test uses its own uniquely named stream and subjects (`kvtest.<id>.>`),
 //! deletes them at the end (also on failure), and bounds every wait.
 
-mod support;
-
+use crate::support::{PrivateServer, require_nats, unique_id};
 use kvindex::event::encode;
 use kvindex::sim::{Fleet, FleetSettings};
 use kvindex::source::{
@@ -13,9 +12,7 @@ use kvindex::source::{
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
-use support::PrivateServer;
 
 const NATS_URL: &str = "nats://127.0.0.1:4222";
 
@@ -49,19 +46,6 @@ fn none() -> Arc<MemCheckpoints> {
     Arc::new(MemCheckpoints::default())
 }
 
-fn unique_id() -> String {
-    static N: AtomicU64 = AtomicU64::new(0);
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .subsec_nanos();
-    format!(
-        "t{}x{nanos:x}x{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::SeqCst)
-    )
-}
-
 /// One test's stream and subjects; deletes the stream when dropped (also on panic).
 struct TestStream {
     id: String,
@@ -71,7 +55,7 @@ struct TestStream {
 impl TestStream {
     fn new(url: &str) -> TestStream {
         TestStream {
-            id: unique_id(),
+            id: unique_id("t"),
             url: url.to_string(),
         }
     }
@@ -129,22 +113,6 @@ impl Drop for TestStream {
             });
         })
         .join();
-    }
-}
-
-async fn require_nats(url: &str) -> async_nats::Client {
-    let connect = async_nats::ConnectOptions::new()
-        .connection_timeout(Duration::from_secs(3))
-        .connect(url);
-    match tokio::time::timeout(Duration::from_secs(5), connect).await {
-        Ok(Ok(c)) => c,
-        other => panic!(
-            "these tests need a NATS server with JetStream at {url} (start it with: \
-             start-stop-daemon --start --oknodo --background --exec /usr/sbin/nats-server -- \
-             -a 127.0.0.1 -p 4222 -js -sd /var/lib/nats-server -l /var/log/nats-server.log); \
-             connecting failed: {:?}",
-            other.map(|r| r.err())
-        ),
     }
 }
 

@@ -1,0 +1,11 @@
+//! The service as users run it: the HTTP API against its OpenAPI document, the configuration
+//! contract, the real `kvindex` binary (serve, demo, replay, bench), and `kill -9` trials.
+
+#[path = "../support/mod.rs"]
+mod support;
+
+mod api;
+mod bench_cli;
+mod config;
+mod crash;
+mod serve;

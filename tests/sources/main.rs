@@ -1,0 +1,10 @@
+//! The sources against real brokers: Kafka through librdkafka's mock cluster (the embedded
+//! broker), NATS JetStream at 127.0.0.1:4222 (tests fail loudly if it is absent), and
+//! `kvindex produce` into both.
+
+#[path = "../support/mod.rs"]
+mod support;
+
+mod kafka;
+mod nats;
+mod produce;

@@ -1,0 +1,70 @@
+//! Building events the way producers send them: [`stored`], [`removed`] or [`cleared`] of an
+//! engine in a partition, then what the event carries.
+//!
+//! ```ignore
+//! let ev = stored("engine-a", llama("")).hashes(1000..1003).tokens(1..=12, 4).tier(Tier::Cpu).event();
+//! ```
+
+use kvindex::event::{BlockContent, EngineHash, Event, EventKind, PartitionKey, Tier};
+
+/// An event under construction.
+pub struct EventBuilder(Event);
+
+/// `engine` stored blocks in `partition` (give them with [`EventBuilder::hashes`]).
+pub fn stored(engine: &str, partition: PartitionKey) -> EventBuilder {
+    EventBuilder(Event::new(EventKind::Stored, engine, partition))
+}
+
+/// `engine` removed blocks in `partition`.
+pub fn removed(engine: &str, partition: PartitionKey) -> EventBuilder {
+    EventBuilder(Event::new(EventKind::Removed, engine, partition))
+}
+
+/// `engine` dropped everything it held for the partition's (tenant, model).
+pub fn cleared(engine: &str, partition: PartitionKey) -> EventBuilder {
+    EventBuilder(Event::new(EventKind::AllCleared, engine, partition))
+}
+
+impl EventBuilder {
+    /// The engine's own hashes of the blocks, root first.
+    pub fn hashes(mut self, hashes: impl IntoIterator<Item = u64>) -> Self {
+        self.0.block_hashes = hashes.into_iter().map(EngineHash).collect();
+        self
+    }
+
+    /// The engine's hashes as raw bytes (32-byte hashes, …).
+    pub fn hash_bytes(mut self, hashes: &[&[u8]]) -> Self {
+        self.0.block_hashes = hashes.iter().map(|h| EngineHash::from_bytes(h)).collect();
+        self
+    }
+
+    /// The blocks' tokens, `block_size` per block.
+    pub fn tokens(mut self, token_ids: impl IntoIterator<Item = u32>, block_size: u32) -> Self {
+        self.0.content = BlockContent::Tokens {
+            token_ids: token_ids.into_iter().collect(),
+            block_size,
+        };
+        self
+    }
+
+    /// The block the chain continues after.
+    pub fn parent(mut self, hash: u64) -> Self {
+        self.0.parent_hash = Some(EngineHash(hash));
+        self
+    }
+
+    pub fn tier(mut self, tier: Tier) -> Self {
+        self.0.tier = tier;
+        self
+    }
+
+    pub fn event(self) -> Event {
+        self.0
+    }
+}
+
+impl From<EventBuilder> for Event {
+    fn from(b: EventBuilder) -> Event {
+        b.0
+    }
+}
