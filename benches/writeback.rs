@@ -14,24 +14,12 @@ use kvindex::spill::testing::MemL1;
 use kvindex::spill::{
     CircuitBreaker, L2Row, L2Sink, SpillController, SpillL1, SpillSettings, SystemClock,
 };
-use kvindex::store::{ROW_BLOCKS, Store, StoreSettings, StoreSink};
+use kvindex::store::{ROW_BLOCKS, StoreSink};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const BATCH: usize = 128;
 const VALUE: [u8; 48] = [0x5a; 48];
-
-/// A fresh store in `dir`, as the controller's L2.
-fn l2(dir: &std::path::Path) -> StoreSink {
-    let settings = StoreSettings {
-        shards: 1,
-        seed: 0,
-        sync: false,
-    };
-    StoreSink::new(Arc::new(
-        Store::open(dir, &settings).expect("open the store"),
-    ))
-}
 
 /// A block row's key (its kind in the first byte, then 24 bytes).
 fn key(i: u64) -> Vec<u8> {
@@ -114,3 +102,8 @@ fn bench_evict(c: &mut Criterion) {
 
 criterion_group!(benches, bench_sink, bench_evict);
 criterion_main!(benches);
+
+/// The production store in `dir`, as the controller's L2.
+fn l2(dir: &std::path::Path) -> StoreSink {
+    StoreSink::open_scratch(dir).expect("open the store")
+}

@@ -1,6 +1,6 @@
 //! The HTTP read API (axum): the router over [`AppState`], the server entry point [`serve`],
 //! and request tracing. Handlers live in the submodules; `schemas/openapi.yaml` documents every
-//! route and `tests/api.rs` checks the two agree.
+//! route and `tests/service/api.rs` checks the two agree.
 
 pub mod error;
 pub mod health;
@@ -30,7 +30,7 @@ pub const DEFAULT_MAX_BODY_BYTES: usize = 1 << 20;
 pub const DEFAULT_BLOCK_SIZE: u32 = 16;
 
 /// Every (method, path) the router serves, in the order of [`router`]. `GET` routes answer
-/// `HEAD` too. Kept by hand in step with [`router`]; `tests/api.rs` checks each is served and
+/// `HEAD` too. Kept by hand in step with [`router`]; `tests/service/api.rs` checks each is served and
 /// that the OpenAPI document lists exactly these.
 pub const ROUTES: &[(&str, &str)] = &[
     ("POST", "/v1/lookup"),

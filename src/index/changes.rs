@@ -1,7 +1,7 @@
 //! Change tracking: what a shard changed since the durable store last took its changes.
 //!
 //! The tracker records *which* rows are dirty, never their values; [`Shard::take_changes`]
-//! (see `shard.rs`) reads the current values when the changes are taken. A [`ChangeSet`] is
+//! (see `shard/persist.rs`) reads the current values when the changes are taken. A [`ChangeSet`] is
 //! therefore a set of assignments (row = current value, or row deleted): writing it twice, or
 //! writing it over a store that already holds some of it, gives the same rows. That is what
 //! makes "state at checkpoint k + replay of the events after k" equal to the full state.

@@ -1,7 +1,7 @@
 //! Progress per source partition: for each (source, partition) and each shard, the next offset
 //! applied in memory and the next offset made durable in RocksDB.
 //!
-//! The offsets themselves are written by the shard workers (see `pipeline.rs`) in the same
+//! The offsets themselves are written by the shard workers (see `worker.rs`) in the same
 //! RocksDB `WriteBatch` as the index rows they cover ([`crate::store::Store::commit`]); this
 //! module is the in-memory mirror that everything else reads:
 //! - the ingest loop acknowledges upstream (Kafka commit, NATS ack) only up to

@@ -106,6 +106,9 @@ impl L2Reader for Store {
     }
 }
 
+/// A stored row: (key, value).
+pub type KeyValue = (Vec<u8>, Vec<u8>);
+
 /// `(shard-local id, durable id)` pairs, as [`Store::durable_ids`] returns them.
 pub type IdPairs = Vec<(u32, u32)>;
 
@@ -157,7 +160,7 @@ impl Store {
 
     /// Every block and engine-map row, by tagged key in key order (diagnostics and tests; a
     /// full scan).
-    pub fn l2_rows(&self) -> Result<Vec<(Vec<u8>, Vec<u8>)>, StoreError> {
+    pub fn l2_rows(&self) -> Result<Vec<KeyValue>, StoreError> {
         let mut rows = Vec::new();
         for (tag, cf) in [(ROW_BLOCKS, CF_BLOCKS), (ROW_MAPS, CF_MAPS)] {
             self.scan(cf, &[], |k, v| {
@@ -212,6 +215,18 @@ impl StoreSink {
     /// The store it writes to.
     pub fn store(&self) -> &Arc<Store> {
         &self.store
+    }
+
+    /// A store of its own in `dir` (one shard), as an L2: for tests and benches of the spill
+    /// controller over the production L2 (`testing` builds only).
+    #[cfg(any(test, feature = "testing"))]
+    pub fn open_scratch(dir: &std::path::Path) -> Result<StoreSink, StoreError> {
+        let settings = super::StoreSettings {
+            shards: 1,
+            seed: 0,
+            sync: false,
+        };
+        Ok(StoreSink::new(Arc::new(Store::open(dir, &settings)?)))
     }
 }
 

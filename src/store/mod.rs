@@ -17,20 +17,8 @@
 //! - `l2.rs`: the store as the spill's L2 (point reads, write-back rows);
 //! - `codec.rs`, `registry.rs`: key/value layouts, durable engine and partition ids.
 //!
-//! # Offsets contract (for the pipeline)
-//! Offsets are *next* offsets (last applied + 1), per (shard, source, source partition).
-//! - Every shard must write a row for every (source, partition) it has been *delivered up to*,
-//!   including batches of which no event routed to it: the pipeline tells each shard the
-//!   offsets of every batch it routes, and the shard commits them with its next changes. A
-//!   shard whose row lags (it saw nothing of the partition for a while) would otherwise hold
-//!   the minimum back and make a restart re-read more than needed.
-//! - Before routing the first batch of a (source, partition) in a process, the pipeline calls
-//!   [`Store::begin_partition`], which writes, in one batch, a row for every shard that has
-//!   none. So either every shard has a row for a partition or none has, and the minimum in
-//!   [`Store::next_offset`] can never skip events of a shard that had not committed yet.
-//! - At restart the source seeks to [`Store::next_offset`] (`None`: nothing checkpointed; use
-//!   the configured start), and each shard skips events at offsets below its own
-//!   [`Store::shard_offset`], so nothing is applied twice and nothing is lost.
+//! # Offsets
+//! Offsets rows and the contract the pipeline relies on: `offsets.rs`.
 //!
 //! # Durability
 //! The WAL is always on. `sync = false` (the default) survives `kill -9`: a written batch is in

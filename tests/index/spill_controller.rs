@@ -10,7 +10,7 @@ use kvindex::spill::{
     BreakerState, CircuitBreaker, EmergencyError, L2Error, L2Row, L2Sink, SpillController, SpillL1,
     SpillSettings, Stop,
 };
-use kvindex::store::{ROW_BLOCKS, Store, StoreSettings, StoreSink};
+use kvindex::store::{ROW_BLOCKS, Store, StoreSink};
 use parking_lot::Mutex;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -152,18 +152,6 @@ fn controller(
     let faults = sink.handle();
     let ctl = SpillController::new(l1.clone(), sink, breaker.clone(), settings.clone());
     (ctl, faults)
-}
-
-/// The production store in `dir`, as the controller's L2.
-fn l2(dir: &Path) -> StoreSink {
-    let settings = StoreSettings {
-        shards: 1,
-        seed: 0,
-        sync: false,
-    };
-    StoreSink::new(Arc::new(
-        Store::open(dir, &settings).expect("open the store"),
-    ))
 }
 
 /// Entry `i`'s key: a block row of the store (the first byte names the row's kind).
@@ -825,7 +813,7 @@ impl Drop for Unmount {
 
 /// Rough write-back throughput in whatever profile the tests are built in (the criterion
 /// bench `benches/writeback.rs` is the real measurement, in release). Ignored by default:
-/// `cargo test --test writeback throughput -- --ignored --nocapture`.
+/// `cargo test --test index spill_controller::throughput -- --ignored --nocapture`.
 #[test]
 #[ignore = "a measurement, not a check"]
 fn throughput_128_key_batches() {
@@ -866,4 +854,9 @@ fn throughput_128_key_batches() {
         r.written,
         r.written as f64 / took.as_secs_f64()
     );
+}
+
+/// The production store in `dir`, as the controller's L2.
+fn l2(dir: &std::path::Path) -> StoreSink {
+    StoreSink::open_scratch(dir).expect("open the store")
 }

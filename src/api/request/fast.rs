@@ -10,7 +10,7 @@
 //! and gives up (`None`) on anything else: an escape, an unknown or repeated field, a number
 //! out of range, a float, a syntax error. The caller then parses the body with the complete
 //! serde parser, which owns every error message. Where it does answer, it answers exactly what
-//! the serde parser would (`tests/lookup_body.rs` holds the two together on random bodies).
+//! the serde parser would (`tests/decode/lookup_body.rs` holds the two together on random bodies).
 
 use super::{BlockSize, Field, FromJson, Limit, List, MAX_QUERY_TOKENS, RawLookup, Scalar};
 
