@@ -6,21 +6,12 @@
 use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
 use kvindex::event::{BlockContent, EngineHash, Event, EventKind, PartitionKey, Tier};
 use kvindex::index::{Index, IndexSettings, Shard, hash};
+use kvindex::sim::Rng;
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 const BLOCK: u32 = 16;
 const CHAIN: u32 = 128;
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-}
 
 /// Engine `e` stores the first `len` blocks of prompt `family` under `adapter` as one root chain.
 fn chain_event(e: u32, adapter: u32, family: u32, len: u32) -> Event {
@@ -49,11 +40,16 @@ fn chain_event(e: u32, adapter: u32, family: u32, len: u32) -> Event {
 
 /// 2,000 chain stores over 1,000 engines × 16 adapters, 64 prompt families (shared prefixes).
 fn apply_workload() -> Vec<Event> {
-    let mut rng = Rng(42);
+    let mut rng = Rng::new(42);
     (0..2_000)
         .map(|_| {
-            let e = (rng.next() % 1000) as u32;
-            chain_event(e, (rng.next() % 16) as u32, (rng.next() % 64) as u32, CHAIN)
+            let e = (rng.next_u64() % 1000) as u32;
+            chain_event(
+                e,
+                (rng.next_u64() % 16) as u32,
+                (rng.next_u64() % 64) as u32,
+                CHAIN,
+            )
         })
         .collect()
 }
@@ -82,9 +78,9 @@ fn bench_apply(c: &mut Criterion) {
 /// 1,000 engines each holding a random-length prefix (1..=128 blocks) of one 128-block prompt.
 fn lookup_index() -> (Index, PartitionKey, Vec<u32>) {
     let index = Index::new(IndexSettings { shards: 1, seed: 1 });
-    let mut rng = Rng(7);
+    let mut rng = Rng::new(7);
     for e in 0..1000 {
-        let len = 1 + (rng.next() % CHAIN as u64) as u32;
+        let len = 1 + (rng.next_u64() % CHAIN as u64) as u32;
         index.apply(&chain_event(e, 0, 1, len), 0).expect("stores");
     }
     let tokens = (0..CHAIN * BLOCK)
@@ -155,11 +151,11 @@ fn bench_memory(_c: &mut Criterion) {
     let before = rss().unwrap_or(0);
     let index = Index::new(IndexSettings { shards: 1, seed: 1 });
     let target = 10_000_000u64;
-    let mut rng = Rng(3);
+    let mut rng = Rng::new(3);
     let mut stored = 0u64;
     'fill: for family in 0.. {
         for e in 0..1000u32 {
-            let len = 64 + (rng.next() % 65) as u32;
+            let len = 64 + (rng.next_u64() % 65) as u32;
             let ev = chain_event(e, (e + family) % 16, family, len);
             stored += index.apply(&ev, 0).expect("stores") as u64;
             if stored >= target {

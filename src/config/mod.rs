@@ -17,6 +17,12 @@
 //! entry: `KVINDEX_SOURCE__KAFKA__PROPERTIES__SECURITY_PROTOCOL=SASL_SSL` sets the librdkafka
 //! property `security.protocol` (lowercased, `_` → `.`: librdkafka names use dots only), and
 //! `KVINDEX_SOURCE__VLLM__LORA_NAMES__3=sql-lora` maps lora id 3.
+//!
+//! # Files and conventions
+//! Here: the sections (`*Config`, one per file section) and their defaults; `load.rs`: the
+//! merge; `validate.rs`: the rules. Each component turns its section into its runtime
+//! `*Settings` beside itself (`impl From<&IndexConfig> for IndexSettings` in `index`, …); the
+//! decoder's is here, because the event contract depends on nothing.
 
 mod load;
 mod validate;

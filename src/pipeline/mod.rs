@@ -89,10 +89,10 @@ enum Msg {
 
 /// Where a payload came from, for logs of what could not be decoded.
 #[derive(Clone, Debug, Default)]
-pub struct Position<'a> {
-    pub source: &'a str,
-    pub partition: i64,
-    pub offset: i64,
+struct Position<'a> {
+    source: &'a str,
+    partition: i64,
+    offset: i64,
 }
 
 /// What [`Pipeline::ingest_batch`] routed.

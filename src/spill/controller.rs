@@ -1,4 +1,4 @@
-//! The write-back controller: keeps a shard's L1 within its byte budget by writing cold entries
+//! The spill controller: keeps a shard's L1 within its byte budget by writing cold entries
 //! back to L2 and dropping them only once durable; copies dirty entries to L2 periodically; and
 //! makes room for restores in an emergency. It owns the rules, not the data: L1 is reached
 //! through [`SpillL1`], L2 through [`L2Sink`], and every L2 write passes the

@@ -181,7 +181,7 @@ pub struct DirtyPage<K, C> {
     pub next: Option<C>,
 }
 
-/// What a shard's L1 must offer the write-back controller. See the module doc for the rules.
+/// What a shard's L1 must offer the spill controller. See the module doc for the rules.
 pub trait SpillL1 {
     /// The entry key in L1 terms (e.g. partition id + block key).
     type Key: Clone + Debug;

@@ -1,6 +1,6 @@
 //! The store as the index's L2: point reads of block and engine-map rows for shards that
 //! spilled part of their state ([`L2Reader`]), the rows write-back writes, and the
-//! [`StoreSink`] the write-back controller writes them through (one `WriteBatch` per batch, in
+//! [`StoreSink`] the spill controller writes them through (one `WriteBatch` per batch, in
 //! the same database and column families as the checkpoint commits).
 //!
 //! Write-back rows are tagged with their column family in the first byte of [`L2Row::key`]
@@ -201,7 +201,7 @@ impl Store {
     }
 }
 
-/// The write-back controller's L2: the store itself.
+/// The spill controller's L2: the store itself.
 #[derive(Clone)]
 pub struct StoreSink {
     store: Arc<Store>,

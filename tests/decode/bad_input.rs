@@ -1,9 +1,10 @@
 //! Hostile and broken payloads in every encoding: truncated, garbage, wrong-typed, deeply
-//! nested, oversized, huge declared lengths, and a deterministic xorshift fuzz over mutations
+//! nested, oversized, huge declared lengths, and a deterministic seeded fuzz over mutations
 //! of every fixture. Each must come back as a typed [`DecodeError`] (or decode), never panic.
 
 use kvindex::event::decode::{DecodeSettings, Format};
 use kvindex::event::{DecodeError, Envelope, VllmSettings, decode_payload};
+use kvindex::sim::Rng;
 use std::path::{Path, PathBuf};
 
 const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures");
@@ -345,30 +346,14 @@ fn huge_declared_lengths() {
     assert!(matches!(e.reason(), "json" | "bad_field"));
 }
 
-/// Deterministic xorshift64*.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-}
-
 fn mutate(rng: &mut Rng, input: &[u8]) -> Vec<u8> {
     let mut b = input.to_vec();
     for _ in 0..1 + rng.below(4) {
         let at = rng.below(b.len());
         match rng.below(6) {
             0 if !b.is_empty() => b[at] ^= 1 << rng.below(8),
-            1 if !b.is_empty() => b[at] = rng.next() as u8,
-            2 => b.insert(at, rng.next() as u8),
+            1 if !b.is_empty() => b[at] = rng.next_u64() as u8,
+            2 => b.insert(at, rng.next_u64() as u8),
             3 if !b.is_empty() => {
                 b.remove(at);
             }
@@ -383,7 +368,7 @@ fn mutate(rng: &mut Rng, input: &[u8]) -> Vec<u8> {
 
 #[test]
 fn fuzz_mutations_never_panic() {
-    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let mut rng = Rng::new(0x9e37_79b9_7f4a_7c15);
     for (path, format) in fixtures() {
         let bytes = std::fs::read(&path).unwrap();
         for _ in 0..3000 {
@@ -397,7 +382,7 @@ fn fuzz_mutations_never_panic() {
     }
     for _ in 0..5000 {
         let len = rng.below(256);
-        let b: Vec<u8> = (0..len).map(|_| rng.next() as u8).collect();
+        let b: Vec<u8> = (0..len).map(|_| rng.next_u64() as u8).collect();
         for f in [Format::Auto, Format::Proto, Format::Json, Format::Vllm] {
             if let Err(e) = decode(&b, f) {
                 assert!(REASONS.contains(&e.reason()));

@@ -2,12 +2,12 @@
 //! (resolving engine hashes through the engine's map) and clear, with the eviction-scope rule
 //! deciding which adapter partitions a removal or a clear reaches.
 
-use super::super::hash;
-use super::super::holders::EngineIdx;
-use super::super::table::KeyTable;
 use super::blocks::{Added, drop_membership};
 use super::{MapEntry, PREFETCH_AHEAD, Shard, SkipReason};
 use crate::event::{BlockContent, EngineHash, Event, EventKind};
+use crate::index::hash;
+use crate::index::holders::EngineIdx;
+use crate::index::table::KeyTable;
 use smallvec::SmallVec;
 
 impl Shard {

@@ -1,11 +1,11 @@
 //! The block table: block key → holders, with bitsets for blocks many engines hold, and the
 //! one operation that drops a membership with every counter kept in step.
 
-use super::super::changes::Changes;
-use super::super::holders::{DenseBits, EngineIdx, SetOutcome, should_be_dense, should_stay_dense};
-use super::super::table::KeyTable;
 use super::{Block, PartitionState};
 use crate::event::Tier;
+use crate::index::changes::Changes;
+use crate::index::holders::{DenseBits, EngineIdx, SetOutcome, should_be_dense, should_stay_dense};
+use crate::index::table::KeyTable;
 
 /// Block → holders, plus the bitsets of dense blocks. Split from [`Shard`] so membership updates
 /// can borrow it while an engine's hash map is borrowed too.

@@ -23,7 +23,7 @@ pub const BLOCK_ENTRY_BYTES: u64 = 2 * std::mem::size_of::<(u64, Block)>() as u6
 pub const MAP_ENTRY_BYTES: u64 = 2 * std::mem::size_of::<(u64, MapEntry)>() as u64;
 /// How many candidates [`Shard::coldest`] samples per entry it returns.
 const SAMPLE_FACTOR: usize = 4;
-/// An L1 entry's key as the write-back controller sees it. Ordered (blocks first, by key) for
+/// An L1 entry's key as the spill controller sees it. Ordered (blocks first, by key) for
 /// the backup flush's cursor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum L1Key {
@@ -84,7 +84,7 @@ impl Shard {
         self.inspect(key, false).map(|r| r.version)
     }
 
-    /// `key` as the write-back controller sees it; `encode == false` leaves `dirty` empty but
+    /// `key` as the spill controller sees it; `encode == false` leaves `dirty` empty but
     /// keeps every check that decides whether the entry is there for it at all (a dirty entry
     /// whose engine or partition has no durable id yet is not).
     fn inspect(&self, key: L1Key, encode: bool) -> Option<Resident<L1Key>> {

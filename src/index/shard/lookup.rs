@@ -2,9 +2,9 @@
 //! the engines still matching, in per-thread scratch bitsets, and emits a row per engine where
 //! its run ends.
 
-use super::super::holders::{DenseBits, Holders};
 use super::{PREFETCH_AHEAD, RawMatch, Shard};
 use crate::event::Tier;
+use crate::index::holders::{DenseBits, Holders};
 use std::cell::RefCell;
 use std::sync::atomic::Ordering::Relaxed;
 

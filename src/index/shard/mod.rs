@@ -4,6 +4,15 @@
 //! A shard is plain single-threaded Rust on owned data: the pipeline serializes writes to it
 //! and lookups read it under a read lock. Everything an event changes is an *assignment* of a
 //! (block, engine) membership, so replaying a suffix of the log onto a newer state converges.
+//!
+//! One [`Shard`] type, one concern per file:
+//! - here: the data (blocks, engines and their hash maps, partitions), interning, counters;
+//! - `blocks.rs`: the block table (holders, bitsets of dense blocks);
+//! - `apply.rs`: stored / removed / cleared events, with the eviction-scope rule;
+//! - `lookup.rs`: the longest-prefix walk;
+//! - `persist.rs`: change tracking for commits, and the restore calls of a reload;
+//! - `spill.rs`: reading through to L2 (faults, restores, durable ids);
+//! - `evict.rs`: what the spill controller calls (costs, coldest entries, conditional removal).
 
 mod apply;
 mod blocks;

@@ -2,11 +2,11 @@
 //! restore calls that rebuild a shard from stored rows at start. Restoring records no changes
 //! (the rows are durable already).
 
-use super::super::changes::{BlockChange, ChangeSet, EngineChange, MapChange};
-use super::super::holders::EngineIdx;
 use super::blocks::Added;
 use super::{MapEntry, Shard, SkipReason};
 use crate::event::{PartitionKey, Tier};
+use crate::index::changes::{BlockChange, ChangeSet, EngineChange, MapChange};
+use crate::index::holders::EngineIdx;
 
 /// Durability: change tracking for the store, and the restore API that rebuilds a shard from
 /// stored rows. Restoring records no changes (the rows are already durable).
