@@ -8,4 +8,5 @@ mod api;
 mod bench_cli;
 mod config;
 mod crash;
+mod demo;
 mod serve;
