@@ -1,5 +1,7 @@
 //! The Kafka source: an rdkafka consumer, in a consumer group (cooperative-sticky) or on an
-//! explicit partition list.
+//! explicit partition list. Here: the source and its poll loop; `position.rs`: where partitions
+//! start, divergence, watermarks; `rebalance.rs`: the rebalance callback; `publisher.rs`:
+//! producing; `wire.rs`: keys and headers, both directions; `embedded.rs`: the in-process broker.
 //!
 //! # Positions are kvindex's, not the broker's
 //!
