@@ -30,8 +30,8 @@ pub const DEFAULT_MAX_BODY_BYTES: usize = 1 << 20;
 pub const DEFAULT_BLOCK_SIZE: u32 = 16;
 
 /// Every (method, path) the router serves, in the order of [`router`]. `GET` routes answer
-/// `HEAD` too. Kept by hand in step with [`router`]; `tests/service/api.rs` checks each is served and
-/// that the OpenAPI document lists exactly these.
+/// `HEAD` too. Kept by hand in step with [`router`]; `tests/service/api.rs` checks each is
+/// served and that the OpenAPI document lists exactly these.
 pub const ROUTES: &[(&str, &str)] = &[
     ("POST", "/v1/lookup"),
     ("GET", "/v1/engines"),

@@ -3,11 +3,12 @@
 //!
 //! Shard choice: an event goes to the shard of `hash(tenant, model, engine)`. Sharding by the
 //! partition key alone leaves every core but one idle in the common single-model, no-LoRA
-//! deployment; keying by engine spreads even one partition over all shards. Leaving the adapter out keeps every adapter partition of one engine's
-//! (tenant, model) in one shard, so the adapter-agnostic events (`ALL_CLEARED`, unscoped
-//! evictions) also have exactly one shard to go to, in source order, with no broadcast; and
-//! each engine's chains and hash maps live in one shard, so parents resolve locally. A lookup
-//! reads every shard (their engine sets are disjoint) and concatenates.
+//! deployment; keying by engine spreads even one partition over all shards. Leaving the adapter
+//! out keeps every adapter partition of one engine's (tenant, model) in one shard, so the
+//! adapter-agnostic events (`ALL_CLEARED`, unscoped evictions) also have exactly one shard to go
+//! to, in source order, with no broadcast; and each engine's chains and hash maps live in one
+//! shard, so parents resolve locally. A lookup reads every shard (their engine sets are
+//! disjoint) and concatenates.
 
 pub mod changes;
 pub mod hash;
