@@ -22,7 +22,8 @@
 //!
 //! # Time
 //! The breaker never calls `Instant::now()` itself: it asks an injected [`Clock`]. Production
-//! uses [`SystemClock`]; tests use `spill::testing::ManualClock` and step through a 60 s backoff instantly.
+//! uses [`SystemClock`]; tests use `spill::testing::ManualClock` and step through a 60 s
+//! backoff instantly.
 
 use parking_lot::Mutex;
 use serde::Serialize;

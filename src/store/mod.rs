@@ -2,9 +2,9 @@
 //! and the warm reload of the in-memory index at restart.
 //!
 //! # What is stored
-//! Each shard commits the rows its [`ChangeSet`](crate::index::ChangeSet) names (blocks with their holders, engine-map
-//! entries, engine and partition rows) and the source offsets it has been delivered up to, in
-//! ONE `WriteBatch` ([`Store::commit`]). A batch is atomic, so after any crash a shard's rows
+//! Each shard commits the rows its [`ChangeSet`](crate::index::ChangeSet) names (blocks with
+//! their holders, engine-map entries, engine and partition rows) and the source offsets it has
+//! been delivered up to, in ONE `WriteBatch` ([`Store::commit`]). A batch is atomic, so after any crash a shard's rows
 //! are exactly its state at some committed offset. Rows are current values, not deltas:
 //! writing a batch twice is harmless. Layouts are in `codec.rs`; durable engine and partition
 //! ids in `registry.rs`.

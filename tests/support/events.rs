@@ -2,7 +2,7 @@
 //! engine in a partition, then what the event carries.
 //!
 //! ```ignore
-//! let ev = stored("engine-a", llama("")).hashes(1000..1003).tokens(1..=12, 4).tier(Tier::Cpu).event();
+//! let ev = stored("engine-a", llama("")).hashes(1000..1003).tokens(1..=12, 4).event();
 //! ```
 
 use kvindex::event::{BlockContent, EngineHash, Event, EventKind, PartitionKey, Tier};
