@@ -14,7 +14,7 @@
 
 mod report;
 
-pub use report::{DivergenceStatus, PartitionProgress, SourceReport, SourceStatus};
+pub use report::{PartitionProgress, SourceReport, SourceStatus};
 
 use crate::event::DecodeSettings;
 use crate::metrics::Metrics;
@@ -128,10 +128,7 @@ async fn connect<S: EventSource>(
     ctx: &IngestContext,
     name: &str,
     stop: &AtomicBool,
-) -> Option<S>
-where
-    S::Settings: Clone,
-{
+) -> Option<S> {
     let mut backoff = Backoff::new(RETRY_MIN, RETRY_MAX);
     loop {
         match S::connect(settings.clone(), ctx.checkpoints.clone()).await {
@@ -188,9 +185,7 @@ async fn drive<S: EventSource>(
     spec: &SourceSpec,
     ctx: IngestContext,
     stop: Arc<AtomicBool>,
-) where
-    S::Settings: Clone,
-{
+) {
     let name = spec.name();
     let Some(mut source) = connect::<S>(settings, &ctx, &name, &stop).await else {
         return;

@@ -50,36 +50,7 @@ pub struct PartitionProgress {
     pub lag: i64,
     pub events_applied: u64,
     pub duplicates_skipped: u64,
-    pub divergence: Option<DivergenceStatus>,
-}
-
-/// Why a partition stopped: its checkpoint does not fit the log any more.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-#[serde(tag = "kind", rename_all = "snake_case")]
-pub enum DivergenceStatus {
-    AheadOfLog {
-        stored_offset: i64,
-        high_watermark: i64,
-    },
-    EventsDeleted {
-        stored_offset: i64,
-        low_watermark: i64,
-    },
-}
-
-impl From<&Divergence> for DivergenceStatus {
-    fn from(d: &Divergence) -> Self {
-        match *d {
-            Divergence::AheadOfLog { stored, high } => DivergenceStatus::AheadOfLog {
-                stored_offset: stored,
-                high_watermark: high,
-            },
-            Divergence::EventsDeleted { stored, low } => DivergenceStatus::EventsDeleted {
-                stored_offset: stored,
-                low_watermark: low,
-            },
-        }
-    }
+    pub divergence: Option<Divergence>,
 }
 
 /// What the ingest loop last saw of its source.
@@ -152,7 +123,7 @@ impl SourceReport {
                     lag: -1,
                     events_applied: p.map_or(0, |p| p.events_applied.load(Relaxed)),
                     duplicates_skipped: p.map_or(0, |p| p.duplicates.load(Relaxed)),
-                    divergence: s.divergence.as_ref().map(DivergenceStatus::from),
+                    divergence: s.divergence.clone(),
                 };
                 if view.high_watermark >= 0 && view.applied() >= 0 {
                     view.lag = (view.high_watermark - view.applied()).max(0);

@@ -65,13 +65,26 @@ impl Checkpoints for NoCheckpoints {
     fn persist_now(&self) {}
 }
 
-/// Why a partition's stored position cannot be resumed from.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// Why a partition's stored position cannot be resumed from. `/v1/stats` shows it as
+/// `{"kind": "ahead_of_log", "stored_offset", "high_watermark"}` (or `events_deleted` with
+/// `low_watermark`).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
 pub enum Divergence {
     /// The stored next offset is past the partition's high watermark / stream's last sequence.
-    AheadOfLog { stored: i64, high: i64 },
+    AheadOfLog {
+        #[serde(rename = "stored_offset")]
+        stored: i64,
+        #[serde(rename = "high_watermark")]
+        high: i64,
+    },
     /// The log start moved past the stored offset: unread events were deleted.
-    EventsDeleted { stored: i64, low: i64 },
+    EventsDeleted {
+        #[serde(rename = "stored_offset")]
+        stored: i64,
+        #[serde(rename = "low_watermark")]
+        low: i64,
+    },
 }
 
 /// What `/v1/stats` shows of one source partition.
@@ -107,8 +120,8 @@ pub const DEFAULT_POLL_WAIT: Duration = Duration::from_millis(100);
 /// `(partition, next offset)`; NATS has one partition, 0, whose offsets are stream sequences.
 #[allow(async_fn_in_trait)] // driven on one current-thread runtime: no `Send` bound needed
 pub trait EventSource: Sized {
-    /// How to reach it.
-    type Settings;
+    /// How to reach it (cloned for every reconnection attempt).
+    type Settings: Clone;
 
     /// Connects and positions every partition it is given from `checkpoints` (or the
     /// configured start where none is stored).

@@ -31,11 +31,6 @@ impl Backoff {
     pub fn reset(&mut self) {
         self.next = self.min;
     }
-
-    /// The delay [`Backoff::next_delay`] would return, without moving it.
-    pub fn peek(&self) -> Duration {
-        self.next
-    }
 }
 
 #[cfg(test)]

@@ -1,5 +1,5 @@
-//! Building events the way producers send them: [`stored`], [`removed`] or [`cleared`] of an
-//! engine in a partition, then what the event carries.
+//! Building events the way producers send them: [`stored`] by an engine in a partition, then
+//! what the event carries.
 //!
 //! ```ignore
 //! let ev = stored("engine-a", llama("")).hashes(1000..1003).tokens(1..=12, 4).event();
@@ -13,16 +13,6 @@ pub struct EventBuilder(Event);
 /// `engine` stored blocks in `partition` (give them with [`EventBuilder::hashes`]).
 pub fn stored(engine: &str, partition: PartitionKey) -> EventBuilder {
     EventBuilder(Event::new(EventKind::Stored, engine, partition))
-}
-
-/// `engine` removed blocks in `partition`.
-pub fn removed(engine: &str, partition: PartitionKey) -> EventBuilder {
-    EventBuilder(Event::new(EventKind::Removed, engine, partition))
-}
-
-/// `engine` dropped everything it held for the partition's (tenant, model).
-pub fn cleared(engine: &str, partition: PartitionKey) -> EventBuilder {
-    EventBuilder(Event::new(EventKind::AllCleared, engine, partition))
 }
 
 impl EventBuilder {
