@@ -8,6 +8,8 @@ command -v protoc >/dev/null 2>&1 || missing+=(protobuf-compiler)
 dpkg -s libclang-dev >/dev/null 2>&1 || missing+=(libclang-dev)
 command -v g++ >/dev/null 2>&1 || missing+=(g++)
 command -v make >/dev/null 2>&1 || missing+=(make)
+dpkg -s libzmq3-dev >/dev/null 2>&1 || missing+=(libzmq3-dev)
+command -v pkg-config >/dev/null 2>&1 || missing+=(pkg-config)
 command -v nats-server >/dev/null 2>&1 || [ -x /usr/sbin/nats-server ] || missing+=(nats-server)
 if ((${#missing[@]})); then
   echo "setup: installing ${missing[*]}"

@@ -4,6 +4,8 @@
 //! `ARCHITECTURE.md` is the map; each module's doc comment is its detailed design. In the order
 //! an event flows:
 //!
+//! - [`bridge`]: the engines' ZeroMQ publishers (vLLM, SGLang, TensorRT-LLM) into a source,
+//!   with gap replay and restart fencing;
 //! - [`source`]: Kafka (and the embedded broker) and NATS: payloads in, with their positions;
 //!   publishers out; the engine contract of each transport;
 //! - [`ingest`]: the loop that drives the source and reports its status;
@@ -20,6 +22,7 @@
 
 pub mod api;
 pub mod bench;
+pub mod bridge;
 pub mod config;
 pub mod event;
 pub mod index;

@@ -33,6 +33,8 @@ enum Command {
     Serve(cli::serve::ServeArgs),
     /// Run the service with a simulated engine fleet feeding it, and print curl commands to try.
     Demo(cli::serve::DemoArgs),
+    /// Subscribe to engines' ZeroMQ KV-event publishers and publish into Kafka or NATS.
+    Bridge(cli::bridge::BridgeArgs),
     /// Rebuild an index from a Kafka topic or NATS stream into an empty data dir.
     Replay(cli::rebuild::ReplayArgs),
     /// Generate synthetic engine-fleet events in any encoding, to a file or a broker.
@@ -50,6 +52,9 @@ enum BenchCommand {
     Restart(cli::bench_restart::RestartArgs),
     /// Lookups per second over HTTP from an index far larger than its L1 budget.
     Http(cli::bench_http::HttpArgs),
+    /// The engine bridge inside `serve`: throughput against producing straight into the
+    /// broker, and publish-to-visible latency.
+    Bridge(cli::bench_bridge::BridgeArgs),
 }
 
 fn init_tracing() {
@@ -76,11 +81,13 @@ fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Serve(args) => runtime()?.block_on(cli::serve::serve(args)),
         Command::Demo(args) => runtime()?.block_on(cli::serve::demo(args)),
+        Command::Bridge(args) => runtime()?.block_on(cli::bridge::bridge(args)),
         Command::Replay(args) => runtime()?.block_on(cli::rebuild::replay(args)),
         Command::Produce(args) => runtime()?.block_on(cli::produce::produce(args)),
         Command::Bench(BenchCommand::Replay(args)) => cli::bench::replay(args),
         Command::Bench(BenchCommand::Restart(args)) => cli::bench_restart::restart(args),
         Command::Bench(BenchCommand::Http(args)) => cli::bench_http::http(args),
+        Command::Bench(BenchCommand::Bridge(args)) => cli::bench_bridge::bridge(args),
     }
 }
 

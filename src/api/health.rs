@@ -35,5 +35,8 @@ pub async fn metrics(State(state): State<AppState>) -> Response {
     if let Some(spill) = &state.spill {
         spill.stats().render_prometheus(&mut text);
     }
+    if let Some(bridge) = &state.bridge {
+        bridge.render_prometheus(&mut text);
+    }
     ([(header::CONTENT_TYPE, PROMETHEUS_CONTENT_TYPE)], text).into_response()
 }

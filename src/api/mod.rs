@@ -6,8 +6,10 @@ pub mod error;
 pub mod health;
 pub mod lookup;
 pub mod request;
+pub mod sidecar;
 pub mod stats;
 
+use crate::bridge::BridgeStats;
 use crate::index::Index;
 use crate::ingest::{SourceReport, SourceStatus};
 use crate::metrics::Metrics;
@@ -58,6 +60,9 @@ pub struct AppState {
     /// The bounded L1 and its spill to L2, for `/v1/stats` (`writeback`) and `/metrics`
     /// (`None`: an index without a store behind it).
     pub spill: Option<Arc<Spill>>,
+    /// The engine bridge's streams, for `/v1/stats` (`bridge`), `/v1/engines` and `/metrics`
+    /// (`None`: no bridge runs in this process).
+    pub bridge: Option<BridgeStats>,
 }
 
 impl AppState {
@@ -72,6 +77,7 @@ impl AppState {
             sources: None,
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             spill: None,
+            bridge: None,
         }
     }
 

@@ -1,8 +1,10 @@
 //! `GET /v1/stats` (index, event and lookup counters plus the sources' own report) and
-//! `GET /v1/engines` (every engine the index knows, merged over shards).
+//! `GET /v1/engines` (every engine the index knows, merged over shards, with the bridge's
+//! state of each engine it follows).
 
 use super::AppState;
-use crate::event::{PartitionKey, Tier};
+use crate::bridge::StreamReport;
+use crate::event::{PartitionKey, Tier, engine_id};
 use crate::index::EngineInfo;
 use crate::ingest::SourceStatus;
 use crate::spill::SpillStats;
@@ -31,7 +33,7 @@ impl<'a> From<&'a PartitionKey> for Partition<'a> {
 }
 
 /// Blocks by tier, keyed by [`Tier::as_str`] names.
-#[derive(Serialize)]
+#[derive(Default, Serialize)]
 #[serde(rename_all = "UPPERCASE")]
 pub struct TierCounts {
     pub gpu: u64,
@@ -48,6 +50,9 @@ pub struct EngineRow<'a> {
     /// Distinct adapter names of `partitions` (`""` is the base model), sorted.
     pub adapters: Vec<&'a str>,
     pub last_seen_us: i64,
+    /// The bridge's stream feeding this engine (engine and rank), when a bridge runs here.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bridge: Option<StreamReport>,
 }
 
 impl<'a> From<&'a EngineInfo> for EngineRow<'a> {
@@ -65,6 +70,7 @@ impl<'a> From<&'a EngineInfo> for EngineRow<'a> {
             partitions: e.partitions.iter().map(Partition::from).collect(),
             adapters: adapters.into_iter().collect(),
             last_seen_us: e.last_seen_us,
+            bridge: None,
         }
     }
 }
@@ -78,10 +84,32 @@ struct EnginesResponse<'a> {
 // eagerly) rather than returned as `Json<T>`.
 pub async fn engines(State(state): State<AppState>) -> Response {
     let engines = state.index.engines();
-    Json(&EnginesResponse {
-        engines: engines.iter().map(EngineRow::from).collect(),
-    })
-    .into_response()
+    let mut rows: Vec<EngineRow<'_>> = engines.iter().map(EngineRow::from).collect();
+    let streams = state
+        .bridge
+        .as_ref()
+        .map(|b| b.report())
+        .unwrap_or_default();
+    let mut bridge_only = Vec::new();
+    for stream in streams {
+        let id = engine_id(&stream.engine, stream.dp_rank);
+        match rows.iter_mut().find(|r| r.engine_id == id) {
+            Some(row) => row.bridge = Some(stream),
+            None => bridge_only.push((id, stream)),
+        }
+    }
+    // Engines the bridge follows that hold nothing in the index (yet, or since a fence).
+    rows.extend(bridge_only.iter().map(|(id, stream)| EngineRow {
+        engine_id: id,
+        blocks: 0,
+        blocks_by_tier: TierCounts::default(),
+        partitions: Vec::new(),
+        adapters: Vec::new(),
+        last_seen_us: 0,
+        bridge: Some(stream.clone()),
+    }));
+    rows.sort_by(|a, b| a.engine_id.cmp(b.engine_id));
+    Json(&EnginesResponse { engines: rows }).into_response()
 }
 
 #[derive(Serialize)]
@@ -131,6 +159,9 @@ struct StatsResponse<'a> {
     /// store behind it).
     #[serde(skip_serializing_if = "Option::is_none")]
     writeback: Option<SpillStats>,
+    /// One row per bridge stream (engine and rank), when a bridge runs here.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    bridge: Option<Vec<StreamReport>>,
 }
 
 pub async fn stats(State(state): State<AppState>) -> Response {
@@ -168,6 +199,7 @@ pub async fn stats(State(state): State<AppState>) -> Response {
         },
         sources: state.sources.as_ref().map(|s| s.source_status()),
         writeback: state.spill.as_ref().map(|s| s.stats()),
+        bridge: state.bridge.as_ref().map(|b| b.report()),
     };
     Json(&body).into_response()
 }

@@ -2,5 +2,6 @@
 //! recorded-trace replay ([`trace`]) and the harness that drives a real `kvindex` process over
 //! HTTP ([`harness`]).
 
+pub mod engine;
 pub mod harness;
 pub mod trace;

@@ -9,9 +9,11 @@ pub const SPAWN_TIMEOUT: Duration = Duration::from_secs(600);
 pub const STOP_TIMEOUT: Duration = Duration::from_secs(120);
 
 pub mod bench;
+pub mod bench_bridge;
 pub mod bench_build;
 pub mod bench_http;
 pub mod bench_restart;
+pub mod bridge;
 pub mod produce;
 pub mod rebuild;
 pub mod serve;

@@ -4,6 +4,7 @@
 
 use anyhow::Context;
 use kvindex::api;
+use kvindex::bridge::{self, Bridge, BridgeSettings, DurableOffsets};
 use kvindex::config::{Config, Overrides, SourceKind};
 use kvindex::event::encode;
 use kvindex::index::QueryBlocks;
@@ -70,6 +71,8 @@ struct Running {
     service: Service,
     ingest: Option<Ingest>,
     report: Arc<SourceReport>,
+    /// The engine bridge, when `[[bridge.engines]]` lists any (stopped before the source).
+    bridge: Option<Bridge>,
     /// Kept alive as long as the source (dropped after it).
     embedded: Option<EmbeddedBroker>,
 }
@@ -102,17 +105,23 @@ impl Running {
         let (ingest, report) = service
             .start_ingest(setup.spec.clone(), setup.bootstrap())
             .context("starting the ingest loop")?;
+        let bridge = start_bridge(&service, &setup)?;
         Ok(Running {
             service,
             ingest: Some(ingest),
             report,
+            bridge,
             embedded: setup.embedded,
         })
     }
 
-    /// Stops the source (which persists and acknowledges what was applied), then the broker;
-    /// the shard workers make a last commit when the service is dropped.
-    fn stop(mut self) {
+    /// Stops the bridge (its records delivered), the source (which persists and
+    /// acknowledges what was applied), then the broker; the shard workers make a last commit
+    /// when the service is dropped.
+    async fn stop(mut self) {
+        if let Some(b) = self.bridge.take() {
+            b.stop().await;
+        }
         if let Some(i) = self.ingest.take() {
             i.stop();
         }
@@ -130,7 +139,8 @@ async fn run_http(
         .await
         .with_context(|| format!("binding http.listen {listen}"))?;
     let addr = listener.local_addr()?;
-    let state = api::AppState::over(service, Some(running.report.clone()));
+    let mut state = api::AppState::over(service, Some(running.report.clone()));
+    state.bridge = running.bridge.as_ref().map(Bridge::stats);
     tracing::info!(%addr, shards = service.index.shard_count(), "kvindex listening");
     println!("kvindex listening on http://{addr}");
     api::serve(listener, state, shutdown)
@@ -138,7 +148,7 @@ async fn run_http(
         .context("http server")
 }
 
-async fn shutdown_signal() {
+pub async fn shutdown_signal() {
     let ctrl_c = async {
         let _ = tokio::signal::ctrl_c().await;
     };
@@ -161,8 +171,47 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let config = load_config(&args)?;
     let running = Running::start(config, args.reset_on_divergence)?;
     let result = run_http(&running, shutdown_signal()).await;
-    running.stop();
+    running.stop().await;
     result
+}
+
+/// Starts the bridge inside `serve` when the config lists engines: it publishes into the
+/// service's own source, and for the embedded broker (whose log dies with the process) a
+/// position is durable once the index has checkpointed past it.
+fn start_bridge(service: &Service, setup: &SourceSetup) -> anyhow::Result<Option<Bridge>> {
+    let config = &service.config;
+    if config.bridge.engines.is_empty() {
+        return Ok(None);
+    }
+    let embedded = setup
+        .embedded
+        .as_ref()
+        .map(EmbeddedBroker::bootstrap_servers);
+    let durable_offsets: Option<DurableOffsets> = setup.embedded.as_ref().map(|_| {
+        let progress = service.pipeline.progress().clone();
+        let source = setup.spec.name();
+        let offsets: DurableOffsets = Arc::new(move |partition| {
+            let id = progress.id(&source, partition);
+            progress.get(id).durable_next()
+        });
+        offsets
+    });
+    let sink = bridge::sink_for(config, embedded).context("configuring the bridge")?;
+    let settings = BridgeSettings::try_from(config).context("configuring the bridge")?;
+    let started = Bridge::start(
+        &settings,
+        sink,
+        &kvindex::event::DecodeSettings::from(&config.source).vllm,
+        Some(bridge::ledger_path(&config.data_dir)),
+        durable_offsets,
+    )
+    .context("starting the engine bridge")?;
+    println!(
+        "engine bridge: following {} engine(s) over ZeroMQ into the {} source",
+        settings.engines.len(),
+        setup.spec.kind()
+    );
+    Ok(Some(started))
 }
 
 /// Publishes one simulated request's events to the embedded broker, one protobuf payload per
@@ -292,6 +341,6 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<()> {
     let result = run_http(&running, shutdown).await;
     stop.store(true, Ordering::Relaxed);
     let _ = producer.await;
-    running.stop();
+    running.stop().await;
     result
 }

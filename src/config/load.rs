@@ -3,7 +3,9 @@
 //! type of the default it replaces, and the merged tree deserialized once (see the module docs
 //! of `config` for the rules).
 
-use super::{Config, ConfigError, ENV_PREFIX, NON_CONFIG_ENV, Overrides, SourceKind};
+use super::{
+    BridgeEngineConfig, Config, ConfigError, ENV_PREFIX, NON_CONFIG_ENV, Overrides, SourceKind,
+};
 use std::path::Path;
 use toml::{Table, Value};
 
@@ -18,7 +20,11 @@ const INTEGER_ARRAY_KEYS: &[&str] = &["source.kafka.partitions"];
 const ENUM_KEYS: &[(&str, &[&str])] = &[
     ("source.kind", &SourceKind::NAMES),
     ("source.format", &["auto", "proto", "json", "vllm"]),
+    ("bridge.partition_by", &["engine", "adapter"]),
 ];
+/// Arrays of tables (`[[bridge.engines]]`): each item is merged over the item defaults, so its
+/// keys and types are checked like any section's (errors name `bridge.engines[i].key`).
+pub(super) const BRIDGE_ENGINES: &str = "bridge.engines";
 pub(super) const KAFKA_PROPERTIES: &str = "source.kafka.properties";
 pub(super) const LORA_NAMES: &str = "source.vllm.lora_names";
 
@@ -71,6 +77,29 @@ fn default_tree() -> Table {
     Table::try_from(Config::default()).unwrap_or_default()
 }
 
+/// One `[[bridge.engines]]` item's defaults as a TOML table.
+fn engine_defaults() -> Table {
+    Table::try_from(BridgeEngineConfig::default()).unwrap_or_default()
+}
+
+/// `[[bridge.engines]]` items merged over the item defaults, each checked.
+fn engine_items(field: &str, v: Value, origin: &str) -> Result<Value, ConfigError> {
+    let Value::Array(items) = v else {
+        return Err(mistyped(field, "an array of tables", &v, origin));
+    };
+    let mut out = Vec::with_capacity(items.len());
+    for (i, item) in items.into_iter().enumerate() {
+        let path = format!("{field}[{i}]");
+        let Value::Table(t) = item else {
+            return Err(mistyped(&path, "a table", &item, origin));
+        };
+        let mut base = engine_defaults();
+        merge(&mut base, t, &path, origin)?;
+        out.push(Value::Table(base));
+    }
+    Ok(Value::Array(out))
+}
+
 fn join(path: &str, key: &str) -> String {
     if path.is_empty() {
         key.to_string()
@@ -107,6 +136,10 @@ fn merge(base: &mut Table, overlay: Table, path: &str, origin: &str) -> Result<(
                 origin: origin.to_string(),
             });
         };
+        if field == BRIDGE_ENGINES {
+            *slot = engine_items(&field, value, origin)?;
+            continue;
+        }
         match (slot, value) {
             (Value::Table(sub), Value::Table(v)) => merge(sub, v, &field, origin)?,
             (Value::Table(_), v) => {
@@ -247,10 +280,35 @@ fn merge_env(tree: &mut Table, var: &str, raw: &str) -> Result<(), ConfigError> 
     let (last, parents) = segments.split_last().ok_or_else(unknown)?;
     let mut table = &mut *tree;
     let mut path = String::new();
-    for seg in parents {
+    let mut parents = parents.iter();
+    while let Some(seg) = parents.next() {
         path = join(&path, seg);
         table = match table.get_mut(seg.as_str()) {
             Some(Value::Table(t)) => t,
+            // `KVINDEX_BRIDGE__ENGINES__<n>__<KEY>`: item n (n = the count adds one).
+            Some(Value::Array(items)) if path == BRIDGE_ENGINES => {
+                let index = parents
+                    .next()
+                    .and_then(|n| n.parse::<usize>().ok())
+                    .ok_or_else(unknown)?;
+                if index > items.len() {
+                    return Err(ConfigError::invalid(
+                        &format!("{path}[{index}]"),
+                        format!(
+                            "{var}: items are numbered from 0 without holes; {} exist",
+                            items.len()
+                        ),
+                    ));
+                }
+                if index == items.len() {
+                    items.push(Value::Table(engine_defaults()));
+                }
+                path = format!("{path}[{index}]");
+                match &mut items[index] {
+                    Value::Table(t) => t,
+                    _ => return Err(unknown()),
+                }
+            }
             _ => return Err(unknown()),
         };
     }
@@ -268,6 +326,16 @@ fn merge_env(tree: &mut Table, var: &str, raw: &str) -> Result<(), ConfigError> 
     let Some(slot) = table.get_mut(last.as_str()) else {
         return Err(unknown());
     };
+    if field == BRIDGE_ENGINES {
+        let parsed = raw.trim().parse::<Value>().map_err(|e| {
+            ConfigError::invalid(
+                &field,
+                format!("{var}: expected a TOML array of tables: {e}"),
+            )
+        })?;
+        *slot = engine_items(&field, parsed, var)?;
+        return Ok(());
+    }
     let value = match slot {
         Value::Table(_) => {
             return Err(ConfigError::invalid(

@@ -73,7 +73,8 @@ impl ConfigError {
         }
     }
 
-    fn invalid(field: &str, reason: impl Into<String>) -> ConfigError {
+    /// An error about `field` (a dotted key); components use it for their own checks.
+    pub fn invalid(field: &str, reason: impl Into<String>) -> ConfigError {
         ConfigError::Invalid {
             field: field.to_string(),
             reason: reason.into(),
@@ -164,6 +165,40 @@ pub struct Config {
     pub index: IndexConfig,
     pub writeback: WritebackConfig,
     pub checkpoint: CheckpointConfig,
+    /// Engines whose ZeroMQ publishers the bridge subscribes to (`kvindex bridge`, or inside
+    /// `serve` when any is listed).
+    pub bridge: BridgeConfig,
+}
+
+/// The `[bridge]` section and its `[[bridge.engines]]`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BridgeConfig {
+    /// `engine`: key = engine id, payload as is; `adapter`: re-encoded per adapter partition.
+    pub partition_by: String,
+    /// Fence an engine disconnected this long, in seconds (0 = never).
+    pub gone_after_s: u64,
+    pub engines: Vec<BridgeEngineConfig>,
+}
+
+/// One `[[bridge.engines]]` entry.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BridgeEngineConfig {
+    /// Engine id in the index; DP rank r > 0 becomes `<id>#dp<r>`.
+    pub id: String,
+    /// The engine's PUB endpoint; a wildcard host (`tcp://*:5557`) binds instead, for engines
+    /// that connect.
+    pub endpoint: String,
+    /// The engine's ROUTER replay endpoint (`""`: none).
+    pub replay_endpoint: String,
+    /// Ranks 0..dp_size, rank r at port + r on both endpoints.
+    pub dp_size: u32,
+    /// ZeroMQ subscription prefix.
+    pub topic: String,
+    /// The model (vLLM and SGLang payloads name none).
+    pub model: String,
+    pub tenant: String,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -277,6 +312,31 @@ impl Default for Config {
             index: IndexConfig::default(),
             writeback: WritebackConfig::default(),
             checkpoint: CheckpointConfig::default(),
+            bridge: BridgeConfig::default(),
+        }
+    }
+}
+
+impl Default for BridgeConfig {
+    fn default() -> Self {
+        BridgeConfig {
+            partition_by: "engine".into(),
+            gone_after_s: 60,
+            engines: Vec::new(),
+        }
+    }
+}
+
+impl Default for BridgeEngineConfig {
+    fn default() -> Self {
+        BridgeEngineConfig {
+            id: String::new(),
+            endpoint: String::new(),
+            replay_endpoint: String::new(),
+            dp_size: 1,
+            topic: String::new(),
+            model: String::new(),
+            tenant: String::new(),
         }
     }
 }

@@ -152,6 +152,54 @@ impl Config {
         if self.checkpoint.max_events == 0 {
             return Err(bad("checkpoint.max_events", "must be at least 1, got 0"));
         }
+        self.validate_bridge()
+    }
+
+    /// `[[bridge.engines]]`: ids, ranks, models. Endpoint syntax per rank is checked where
+    /// the ranks' endpoints are derived (`kvindex::bridge::validate`).
+    fn validate_bridge(&self) -> Result<(), ConfigError> {
+        let mut ids = std::collections::HashSet::new();
+        for (i, e) in self.bridge.engines.iter().enumerate() {
+            let field = |k: &str| format!("bridge.engines[{i}].{k}");
+            if e.id.is_empty() {
+                return Err(ConfigError::invalid(&field("id"), "must not be empty"));
+            }
+            if e.id.contains(['#', '/']) {
+                return Err(ConfigError::invalid(
+                    &field("id"),
+                    format!(
+                        "`{}` must not contain `#` or `/` (kvindex derives rank and topic ids with them)",
+                        e.id
+                    ),
+                ));
+            }
+            if !ids.insert(e.id.as_str()) {
+                return Err(ConfigError::invalid(
+                    &field("id"),
+                    format!("`{}` is configured twice", e.id),
+                ));
+            }
+            if e.endpoint.is_empty() {
+                return Err(ConfigError::invalid(&field("endpoint"), "must be set"));
+            }
+            if e.dp_size == 0 {
+                return Err(ConfigError::invalid(
+                    &field("dp_size"),
+                    "must be at least 1",
+                ));
+            }
+            let model = if e.model.is_empty() {
+                &self.source.vllm.model
+            } else {
+                &e.model
+            };
+            if model.is_empty() {
+                return Err(ConfigError::invalid(
+                    &field("model"),
+                    "must be set (or source.vllm.model): vLLM and SGLang payloads name no model",
+                ));
+            }
+        }
         Ok(())
     }
 }

@@ -52,12 +52,14 @@ impl Tier {
         }
     }
 
-    /// Parses a tier / vLLM `medium` name. `STORAGE` (vLLM 0.3x) is disk.
+    /// Parses a tier / vLLM or SGLang `medium` name. `STORAGE` (vLLM 0.3x) is disk.
     pub fn parse(name: &str) -> Option<Tier> {
         match name.to_ascii_uppercase().as_str() {
             "GPU" | "TIER_UNSPECIFIED" | "" => Some(Tier::Gpu),
-            "CPU" => Some(Tier::Cpu),
-            "DISK" | "STORAGE" => Some(Tier::Disk),
+            // SGLang's host memory is `CPU_PINNED`.
+            "CPU" | "CPU_PINNED" => Some(Tier::Cpu),
+            // SGLang's `EXTERNAL` is a storage backend beyond the host (e.g. a KV store).
+            "DISK" | "STORAGE" | "EXTERNAL" => Some(Tier::Disk),
             _ => None,
         }
     }
@@ -217,6 +219,8 @@ pub struct Envelope<'a> {
     pub model: Option<&'a str>,
     /// Message header `tenant`, if any.
     pub tenant: Option<&'a str>,
+    /// Message header `dp_rank`, if any: the rank of a vLLM batch that names none itself.
+    pub dp_rank: Option<u32>,
 }
 
 /// Why a payload could not be decoded. Each variant is a counted reason (`reason()`).

@@ -113,7 +113,9 @@ pub fn decode(
                         have_events = true;
                         rd.read_events(&ctx, &mut batch)?;
                     }
-                    Mp::Str(b"data_parallel_rank") => batch.dp_rank = rd.read_dp_rank()?,
+                    Mp::Str(b"data_parallel_rank" | b"attn_dp_rank") => {
+                        batch.dp_rank = rd.read_dp_rank()?
+                    }
                     Mp::Array(k) | Mp::Map(k) if k > 0 => {
                         return Err(msgpack_err("batch map key is a container"));
                     }
@@ -133,12 +135,63 @@ pub fn decode(
         )));
     }
 
-    let engine = engine_id(engine, batch.dp_rank);
+    let engine = engine_id(engine, batch.dp_rank.or(env.dp_rank).unwrap_or(0));
     for ev in &mut batch.events {
         ev.engine.clone_from(&engine);
         ev.timestamp_us = batch.ts_us;
     }
     Ok((batch.events, batch.skipped))
+}
+
+/// What a forwarder needs of a batch without decoding its events: how many there are and the
+/// rank the batch names (`None` when absent or nil). Fails on the same malformed structure
+/// [`decode`] fails on at the batch level.
+pub fn batch_summary(bytes: &[u8]) -> Result<(usize, Option<u32>), DecodeError> {
+    let mut rd = Reader { buf: bytes, pos: 0 };
+    let count_events = |rd: &mut Reader<'_>| -> Result<usize, DecodeError> {
+        match rd.next()? {
+            Mp::Array(n) => {
+                for _ in 0..n {
+                    rd.skip(2)?;
+                }
+                Ok(n)
+            }
+            other => Err(wrong_type("events", "an array of events", &other)),
+        }
+    };
+    let mut events = None;
+    let mut rank = None;
+    match rd.next()? {
+        Mp::Array(n) if n >= 2 => {
+            rd.read_ts()?;
+            events = Some(count_events(&mut rd)?);
+            if n >= 3 {
+                rank = rd.read_dp_rank()?;
+            }
+            for _ in 3..n {
+                rd.skip(1)?;
+            }
+        }
+        Mp::Map(n) => {
+            for _ in 0..n {
+                match rd.next()? {
+                    Mp::Str(b"events") => events = Some(count_events(&mut rd)?),
+                    Mp::Str(b"data_parallel_rank" | b"attn_dp_rank") => rank = rd.read_dp_rank()?,
+                    _ => rd.skip(1)?,
+                }
+            }
+        }
+        _ => {
+            return Err(msgpack_err(
+                "batch is neither [ts, events, dp_rank?] nor a map",
+            ));
+        }
+    }
+    if rd.pos != bytes.len() {
+        return Err(msgpack_err("trailing bytes after the batch"));
+    }
+    let events = events.ok_or_else(|| field_err("events", "missing from batch map".into()))?;
+    Ok((events, rank))
 }
 
 fn field_err(field: &'static str, reason: String) -> DecodeError {
@@ -172,7 +225,8 @@ struct Ctx<'a> {
 #[derive(Default)]
 struct Batch {
     ts_us: i64,
-    dp_rank: u32,
+    /// The batch's rank; `None` when absent or nil (then the envelope's, else 0).
+    dp_rank: Option<u32>,
     events: Vec<Event>,
     skipped: Vec<DecodeError>,
 }
@@ -591,10 +645,11 @@ impl<'a> Reader<'a> {
         }
     }
 
-    fn read_dp_rank(&mut self) -> Result<u32, DecodeError> {
+    fn read_dp_rank(&mut self) -> Result<Option<u32>, DecodeError> {
         match self.next()? {
-            Mp::Nil => Ok(0),
+            Mp::Nil => Ok(None),
             Mp::UInt(v) => u32::try_from(v)
+                .map(Some)
                 .map_err(|_| field_err("data_parallel_rank", format!("{v} > 2^32-1"))),
             other => Err(wrong_type(
                 "data_parallel_rank",

@@ -246,6 +246,7 @@ impl Pipeline {
                 engine: msg.engine.as_deref(),
                 model: msg.model.as_deref(),
                 tenant: msg.tenant.as_deref(),
+                dp_rank: msg.dp_rank,
             };
             let pos = Position {
                 source,

@@ -23,6 +23,8 @@ use std::time::Duration;
 pub const MODEL_HEADER: &str = "model";
 /// Header naming the tenant of a payload that names none itself.
 pub const TENANT_HEADER: &str = "tenant";
+/// Header naming the data-parallel rank of a vLLM payload (the bridge sets it).
+pub const DP_RANK_HEADER: &str = "dp_rank";
 
 /// The headers a publisher sends with a payload that names neither its model nor its tenant.
 pub fn labels<'a>(model: &'a str, tenant: &'a str) -> [(&'static str, &'a str); 2] {
@@ -42,6 +44,9 @@ pub struct Message {
     pub model: Option<String>,
     /// Header `tenant`, if present.
     pub tenant: Option<String>,
+    /// Header `dp_rank`, if present (the bridge sets it): the rank of a vLLM batch that
+    /// names none itself.
+    pub dp_rank: Option<u32>,
     pub payload: Vec<u8>,
 }
 

@@ -335,6 +335,7 @@ fn vllm_context_from_envelope_or_options() {
         engine: Some("e9"),
         model: Some("qwen"),
         tenant: Some("t2"),
+        dp_rank: None,
     };
     let got = decode_payload(&bytes, &envelope, &opts(Format::Auto, &[])).unwrap();
     assert!(

@@ -188,6 +188,7 @@ fn encodings_round_trip() {
             engine: Some(&engine),
             model: Some(&base.model),
             tenant: Some(&base.tenant),
+            dp_rank: None,
         };
         let decoded =
             decode_payload(&encode::to_vllm(&mine, 0), &env, &vllm_opts).expect("vllm decodes");

@@ -598,3 +598,118 @@ fn kafka_partitions_from_file_and_env() {
         "source.kafka.partitions",
     );
 }
+
+#[test]
+fn bridge_engines_from_the_file_and_the_environment() {
+    let c = load_text(
+        r#"
+[bridge]
+partition_by = "adapter"
+gone_after_s = 5
+[[bridge.engines]]
+id = "engine-a"
+endpoint = "tcp://10.0.0.5:5557"
+replay_endpoint = "tcp://10.0.0.5:5558"
+dp_size = 2
+model = "meta-llama/Llama-3.1-8B"
+[[bridge.engines]]
+id = "engine-b"
+endpoint = "tcp://*:6000"
+model = "qwen"
+tenant = "acme"
+"#,
+    )
+    .expect("loads");
+    assert_eq!(c.bridge.partition_by, "adapter");
+    assert_eq!(c.bridge.gone_after_s, 5);
+    assert_eq!(c.bridge.engines.len(), 2);
+    let a = &c.bridge.engines[0];
+    assert_eq!(
+        (a.id.as_str(), a.dp_size, a.topic.as_str()),
+        ("engine-a", 2, "")
+    );
+    let b = &c.bridge.engines[1];
+    assert_eq!(
+        (b.dp_size, b.tenant.as_str(), b.replay_endpoint.as_str()),
+        (1, "acme", "")
+    );
+
+    let c = load_env(&[
+        ("KVINDEX_BRIDGE__GONE_AFTER_S", "0"),
+        ("KVINDEX_BRIDGE__ENGINES__0__ID", "e0"),
+        ("KVINDEX_BRIDGE__ENGINES__0__ENDPOINT", "tcp://h:1"),
+        ("KVINDEX_BRIDGE__ENGINES__0__MODEL", "m"),
+        ("KVINDEX_BRIDGE__ENGINES__1__ID", "e1"),
+        ("KVINDEX_BRIDGE__ENGINES__1__ENDPOINT", "tcp://h:2"),
+        ("KVINDEX_BRIDGE__ENGINES__1__MODEL", "m"),
+        ("KVINDEX_BRIDGE__ENGINES__1__DP_SIZE", "4"),
+    ])
+    .expect("loads");
+    assert_eq!(c.bridge.gone_after_s, 0);
+    assert_eq!(c.bridge.engines.len(), 2);
+    assert_eq!(c.bridge.engines[1].dp_size, 4);
+    let c = load_env(&[(
+        "KVINDEX_BRIDGE__ENGINES",
+        r#"[{id = "x", endpoint = "tcp://h:1", model = "m"}]"#,
+    )])
+    .expect("loads");
+    assert_eq!(c.bridge.engines[0].id, "x");
+    // The README's one-line form.
+    let c = load_text(
+        r#"bridge.engines = [{ id = "vllm-0", endpoint = "tcp://10.0.0.5:5557", replay_endpoint = "tcp://10.0.0.5:5558", model = "meta-llama/Llama-3.1-8B" }]"#,
+    )
+    .expect("loads");
+    assert_eq!(c.bridge.engines[0].replay_endpoint, "tcp://10.0.0.5:5558");
+}
+
+#[test]
+fn bridge_errors_name_their_field() {
+    let engine = |body: &str| format!("[[bridge.engines]]\n{body}\n");
+    assert_names(
+        load_text(&engine(
+            "id = \"a\"\nendpoint = \"tcp://h:1\"\nmodel = \"m\"\nport = 3",
+        )),
+        "bridge.engines[0].port",
+    );
+    assert_names(
+        load_text(&engine(
+            "id = \"a\"\nendpoint = \"tcp://h:1\"\nmodel = \"m\"\ndp_size = \"two\"",
+        )),
+        "bridge.engines[0].dp_size",
+    );
+    assert_names(
+        load_text(&engine("id = \"a\"\nendpoint = \"tcp://h:1\"")),
+        "bridge.engines[0].model",
+    );
+    assert_names(
+        load_text(&format!(
+            "{}{}",
+            engine("id = \"a\"\nendpoint = \"tcp://h:1\"\nmodel = \"m\""),
+            engine("id = \"a\"\nendpoint = \"tcp://h:2\"\nmodel = \"m\"")
+        )),
+        "bridge.engines[1].id",
+    );
+    assert_names(
+        load_text(&engine(
+            "id = \"a#1\"\nendpoint = \"tcp://h:1\"\nmodel = \"m\"",
+        )),
+        "bridge.engines[0].id",
+    );
+    assert_names(
+        load_text("[bridge]\npartition_by = \"tenant\""),
+        "bridge.partition_by",
+    );
+    assert_names(load_text("[bridge]\nengines = [1]"), "bridge.engines[0]");
+    assert_names(
+        load_env(&[("KVINDEX_BRIDGE__ENGINES__1__ID", "x")]),
+        "bridge.engines[1]",
+    );
+    // Endpoint syntax per rank is checked when the bridge derives the ranks' endpoints.
+    let c = load_text(&engine(
+        "id = \"a\"\nendpoint = \"tcp://h\"\nmodel = \"m\"\ndp_size = 2",
+    ))
+    .expect("loads");
+    let settings = kvindex::bridge::BridgeSettings::try_from(&c).expect("settings");
+    let err = kvindex::bridge::validate(&settings).expect_err("no port");
+    assert_eq!(err.field(), Some("bridge.engines[0].endpoint"));
+}

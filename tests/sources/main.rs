@@ -1,10 +1,12 @@
 //! The sources against real brokers: Kafka through librdkafka's mock cluster (the embedded
 //! broker), NATS JetStream at 127.0.0.1:4222 (tests fail loudly if it is absent), and
-//! `kvindex produce` into both.
+//! `kvindex produce` into both, and the engine bridge against ZeroMQ publishers that behave
+//! like vLLM's and SGLang's.
 
 #[path = "../support/mod.rs"]
 mod support;
 
+mod bridge;
 mod kafka;
 mod nats;
 mod produce;

@@ -436,6 +436,7 @@ async fn produces_to_nats_jetstream_by_engine_subject() {
             engine: Some(&engine),
             model: model.as_deref(),
             tenant: tenant.as_deref(),
+            dp_rank: None,
         };
         let decoded = decode_payload(&m.payload, &env, &opts)
             .unwrap_or_else(|e| panic!("message {seq} does not decode: {e}"));

@@ -52,8 +52,8 @@ pub use publisher::KafkaPublisher;
 use rebalance::Ctx;
 
 use super::{
-    Checkpoints, Divergence, EventSource, MODEL_HEADER, Message, PartitionStatus, SourceError,
-    TENANT_HEADER,
+    Checkpoints, DP_RANK_HEADER, Divergence, EventSource, MODEL_HEADER, Message, PartitionStatus,
+    SourceError, TENANT_HEADER,
 };
 use crate::config::{ConfigError, KafkaConfig, StartPosition};
 use crate::util::LogEvery;
@@ -442,6 +442,7 @@ impl Inner {
             engine: wire::engine_of(m.key()),
             model: wire::header(m.headers(), MODEL_HEADER),
             tenant: wire::header(m.headers(), TENANT_HEADER),
+            dp_rank: wire::header(m.headers(), DP_RANK_HEADER).and_then(|r| r.parse().ok()),
             payload: m.payload().unwrap_or_default().to_vec(),
         };
         st.ready.push_back(msg);

@@ -73,8 +73,8 @@ pub mod wire;
 pub use publisher::NatsPublisher;
 
 use super::{
-    Checkpoints, Divergence, EventSource, MODEL_HEADER, Message, PartitionStatus, SourceError,
-    TENANT_HEADER,
+    Checkpoints, DP_RANK_HEADER, Divergence, EventSource, MODEL_HEADER, Message, PartitionStatus,
+    SourceError, TENANT_HEADER,
 };
 use crate::config::NatsConfig;
 use crate::util::{Backoff, LogEvery};
@@ -253,6 +253,7 @@ fn to_message(m: &async_nats::Message, offset: i64, engine_token: i32) -> Messag
         engine: wire::engine_of(m.subject.as_str(), engine_token).map(str::to_string),
         model: wire::header(m.headers.as_ref(), MODEL_HEADER),
         tenant: wire::header(m.headers.as_ref(), TENANT_HEADER),
+        dp_rank: wire::header(m.headers.as_ref(), DP_RANK_HEADER).and_then(|r| r.parse().ok()),
         payload: m.payload.to_vec(),
     }
 }
