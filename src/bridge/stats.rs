@@ -271,50 +271,41 @@ impl BridgeStats {
                 |s| s.last_event_us.load(Relaxed) / 1_000_000,
             ),
         ];
-        for (name, help, get) in gauges {
-            let _ = writeln!(out, "# HELP kvindex_bridge_{name} {help}");
-            let _ = writeln!(out, "# TYPE kvindex_bridge_{name} gauge");
-            for s in &streams {
-                let _ = writeln!(
-                    out,
-                    "kvindex_bridge_{name}{{{}}} {}",
-                    label(s),
-                    get(&s.stats)
-                );
-            }
-        }
-        type Count = fn(&StreamStats) -> u64;
-        let counters: [(&str, &str, Count); 6] = [
+        let counters: [(&str, &str, Get); 6] = [
             (
                 "batches_forwarded_total",
                 "batches forwarded to the sink",
-                |s| s.batches_forwarded.load(Relaxed),
+                |s| s.batches_forwarded.load(Relaxed) as i64,
             ),
             (
                 "events_forwarded_total",
                 "events in the batches forwarded",
-                |s| s.events_forwarded.load(Relaxed),
+                |s| s.events_forwarded.load(Relaxed) as i64,
             ),
             (
                 "duplicates_total",
                 "batches dropped as already forwarded",
-                |s| s.duplicates.load(Relaxed),
+                |s| s.duplicates.load(Relaxed) as i64,
             ),
             ("gaps_total", "sequence gaps detected", |s| {
-                s.gaps.load(Relaxed)
+                s.gaps.load(Relaxed) as i64
             }),
             ("restarts_total", "publisher restarts detected", |s| {
-                s.restarts.load(Relaxed)
+                s.restarts.load(Relaxed) as i64
             }),
             (
                 "malformed_total",
                 "messages that were not a well-formed batch",
-                |s| s.malformed.load(Relaxed),
+                |s| s.malformed.load(Relaxed) as i64,
             ),
         ];
-        for (name, help, get) in counters {
+        let families = gauges
+            .iter()
+            .map(|g| (g, "gauge"))
+            .chain(counters.iter().map(|c| (c, "counter")));
+        for ((name, help, get), kind) in families {
             let _ = writeln!(out, "# HELP kvindex_bridge_{name} {help}");
-            let _ = writeln!(out, "# TYPE kvindex_bridge_{name} counter");
+            let _ = writeln!(out, "# TYPE kvindex_bridge_{name} {kind}");
             for s in &streams {
                 let _ = writeln!(
                     out,

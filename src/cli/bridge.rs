@@ -7,30 +7,17 @@
 use anyhow::Context;
 use kvindex::api::sidecar;
 use kvindex::bridge::{self, Bridge, BridgeSettings};
-use kvindex::config::{Config, Overrides};
-use std::path::PathBuf;
 
 #[derive(clap::Args, Debug)]
 pub struct BridgeArgs {
-    /// TOML config file with `[[bridge.engines]]` and the `[source]` to publish into.
-    #[arg(long)]
-    pub config: Option<PathBuf>,
-    /// Directory for the bridge's positions (overrides `data_dir`).
-    #[arg(long)]
-    pub data_dir: Option<PathBuf>,
-    /// HTTP listen address for health, metrics and stats (overrides `http.listen`).
-    #[arg(long)]
-    pub listen: Option<String>,
+    /// The file names `[[bridge.engines]]` and the `[source]` to publish into; `data_dir`
+    /// holds the bridge's positions, `http.listen` its health, metrics and stats.
+    #[command(flatten)]
+    pub config: super::ConfigArgs,
 }
 
 pub async fn bridge(args: BridgeArgs) -> anyhow::Result<()> {
-    let overrides = Overrides {
-        data_dir: args.data_dir.clone(),
-        listen: args.listen.clone(),
-        ..Overrides::default()
-    };
-    let config = Config::load(args.config.as_deref(), std::env::vars(), &overrides)
-        .context("invalid configuration")?;
+    let config = args.config.load()?;
     anyhow::ensure!(
         !config.bridge.engines.is_empty(),
         "bridge.engines: no engine configured (add [[bridge.engines]] entries)"

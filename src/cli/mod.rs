@@ -1,7 +1,37 @@
 //! Subcommands of the `kvindex` binary, one file each (`bench_build.rs`: the index the service
 //! benches run against).
 
+use anyhow::Context;
+use kvindex::config::{Config, Overrides};
+use std::path::PathBuf;
 use std::time::Duration;
+
+/// The flags every long-running command takes: the config file and the two overrides.
+#[derive(clap::Args, Debug)]
+pub struct ConfigArgs {
+    /// TOML config file (see kvindex.example.toml).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Directory for durable state (overrides `data_dir`).
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
+    /// HTTP listen address (overrides `http.listen`).
+    #[arg(long)]
+    pub listen: Option<String>,
+}
+
+impl ConfigArgs {
+    /// Defaults < the file < `KVINDEX_*` < these flags, validated.
+    pub fn load(&self) -> anyhow::Result<Config> {
+        let overrides = Overrides {
+            data_dir: self.data_dir.clone(),
+            listen: self.listen.clone(),
+            ..Overrides::default()
+        };
+        Config::load(self.config.as_deref(), std::env::vars(), &overrides)
+            .context("invalid configuration")
+    }
+}
 
 /// How long a bench waits for a spawned `kvindex serve` to listen (it loads its index first).
 pub const SPAWN_TIMEOUT: Duration = Duration::from_secs(600);

@@ -5,29 +5,21 @@
 use anyhow::Context;
 use kvindex::api;
 use kvindex::bridge::{self, Bridge, BridgeSettings, DurableOffsets};
-use kvindex::config::{Config, Overrides, SourceKind};
+use kvindex::config::{Config, SourceKind};
 use kvindex::event::encode;
 use kvindex::index::QueryBlocks;
 use kvindex::ingest::{Ingest, SourceReport};
 use kvindex::service::{Service, SourceSetup, StartSettings};
 use kvindex::sim::{Fleet, FleetSettings};
 use kvindex::source::{EmbeddedBroker, KafkaPublisher};
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 #[derive(clap::Args, Debug)]
 pub struct ServeArgs {
-    /// TOML config file (see kvindex.example.toml).
-    #[arg(long)]
-    pub config: Option<PathBuf>,
-    /// Directory for durable state (overrides `data_dir`).
-    #[arg(long)]
-    pub data_dir: Option<PathBuf>,
-    /// HTTP listen address (overrides `http.listen`).
-    #[arg(long)]
-    pub listen: Option<String>,
+    #[command(flatten)]
+    pub config: super::ConfigArgs,
     /// When a stored offset no longer fits the log (topic recreated, events deleted, stream
     /// purged), abandon it and restart the partition from `source.kafka.start` / the stream's
     /// first sequence, instead of stopping that partition with an error.
@@ -57,13 +49,7 @@ pub struct DemoArgs {
 }
 
 fn load_config(args: &ServeArgs) -> anyhow::Result<Config> {
-    let overrides = Overrides {
-        data_dir: args.data_dir.clone(),
-        listen: args.listen.clone(),
-        ..Overrides::default()
-    };
-    Config::load(args.config.as_deref(), std::env::vars(), &overrides)
-        .context("invalid configuration")
+    args.config.load()
 }
 
 /// The service with its source running, as `serve` and `demo` run it.

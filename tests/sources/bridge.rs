@@ -19,10 +19,10 @@ const BLOCK: u32 = 16;
 const MODEL: &str = "llama";
 const WAIT: Duration = Duration::from_secs(30);
 
-/// What one engine rank holds, folded over its batches, and the prompts it stored.
-#[derive(Default, Clone)]
+/// What one engine rank holds per adapter (`""`: the base model), folded over its batches.
+#[derive(Default)]
 struct Model {
-    held: HashSet<u64>,
+    held: HashSet<(String, u64)>,
 }
 
 impl Model {
@@ -31,11 +31,15 @@ impl Model {
         for (_, events) in batches {
             for ev in events {
                 match ev {
-                    EngineEvent::Stored { hashes, .. } => m.held.extend(hashes),
+                    EngineEvent::Stored {
+                        hashes, lora_name, ..
+                    } => {
+                        let adapter = lora_name.clone().unwrap_or_default();
+                        m.held.extend(hashes.iter().map(|h| (adapter.clone(), *h)));
+                    }
+                    // No LoRA name: an unscoped removal, from every adapter.
                     EngineEvent::Removed { hashes, .. } => {
-                        for h in hashes {
-                            m.held.remove(h);
-                        }
+                        m.held.retain(|(_, h)| !hashes.contains(h));
                     }
                     EngineEvent::Cleared => m.held.clear(),
                 }
@@ -44,11 +48,10 @@ impl Model {
         m
     }
 
-    /// Leading blocks of `tokens` this rank holds.
-    fn matched(&self, tokens: &[u32]) -> u64 {
-        block_hashes_of(tokens, BLOCK, None, 0)
+    fn matched(&self, adapter: &str, tokens: &[u32]) -> u64 {
+        block_hashes_of(tokens, BLOCK, None, adapter_salt(adapter))
             .iter()
-            .take_while(|h| self.held.contains(h))
+            .take_while(|h| self.held.contains(&(adapter.to_string(), **h)))
             .count() as u64
     }
 }
@@ -91,10 +94,10 @@ impl Prompts {
     }
 }
 
-fn lookup(kv: &Kvindex, tokens: &[u32]) -> BTreeMap<String, u64> {
+fn lookup(kv: &Kvindex, adapter: &str, tokens: &[u32]) -> BTreeMap<String, u64> {
     let (status, body) = kv.post(
         "/v1/lookup",
-        &json!({"model": MODEL, "token_ids": tokens, "block_size": BLOCK}),
+        &json!({"model": MODEL, "adapter": adapter, "token_ids": tokens, "block_size": BLOCK}),
     );
     assert_eq!(status, 200, "{body}");
     body["engines"]
@@ -110,24 +113,34 @@ fn lookup(kv: &Kvindex, tokens: &[u32]) -> BTreeMap<String, u64> {
         .collect()
 }
 
-/// Waits until every prompt's answer equals the models' (engine id → model).
+/// Waits until every prompt's answer equals the models' (engine id → model) in the base model.
 fn assert_converges(kv: &Kvindex, models: &[(String, Model)], prompts: &[Vec<u32>], what: &str) {
-    let expected = |tokens: &[u32]| -> BTreeMap<String, u64> {
-        models
-            .iter()
-            .map(|(id, m)| (id.clone(), m.matched(tokens)))
-            .filter(|(_, n)| *n > 0)
-            .collect()
-    };
+    assert_converges_in(kv, &[""], models, prompts, what);
+}
+
+/// Waits until every prompt's answer in every adapter of `adapters` equals the models'.
+fn assert_converges_in(
+    kv: &Kvindex,
+    adapters: &[&str],
+    models: &[(String, Model)],
+    prompts: &[Vec<u32>],
+    what: &str,
+) {
     let mut last = String::new();
     let ok = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         wait_for(what, WAIT, || {
-            for tokens in prompts {
-                let got = lookup(kv, tokens);
-                let want = expected(tokens);
-                if got != want {
-                    last = format!("got {got:?}, want {want:?}");
-                    return None;
+            for adapter in adapters {
+                for tokens in prompts {
+                    let got = lookup(kv, adapter, tokens);
+                    let want: BTreeMap<String, u64> = models
+                        .iter()
+                        .map(|(id, m)| (id.clone(), m.matched(adapter, tokens)))
+                        .filter(|(_, n)| *n > 0)
+                        .collect();
+                    if got != want {
+                        last = format!("adapter `{adapter}`: got {got:?}, want {want:?}");
+                        return None;
+                    }
                 }
             }
             Some(())
@@ -434,43 +447,6 @@ fn kill_9_of_serve_while_the_engine_publishes_resumes_from_the_durable_position(
     }
 }
 
-/// Holdings per adapter (`""`: the base model), for engines whose events carry LoRA names.
-#[derive(Default)]
-struct AdapterModel {
-    held: HashSet<(String, u64)>,
-}
-
-impl AdapterModel {
-    fn fold<'a>(batches: impl IntoIterator<Item = &'a (u64, Vec<EngineEvent>)>) -> AdapterModel {
-        let mut m = AdapterModel::default();
-        for (_, events) in batches {
-            for ev in events {
-                match ev {
-                    EngineEvent::Stored {
-                        hashes, lora_name, ..
-                    } => {
-                        let adapter = lora_name.clone().unwrap_or_default();
-                        m.held.extend(hashes.iter().map(|h| (adapter.clone(), *h)));
-                    }
-                    // No LoRA name: an unscoped removal, from every adapter.
-                    EngineEvent::Removed { hashes, .. } => {
-                        m.held.retain(|(_, h)| !hashes.contains(h));
-                    }
-                    EngineEvent::Cleared => m.held.clear(),
-                }
-            }
-        }
-        m
-    }
-
-    fn matched(&self, adapter: &str, tokens: &[u32]) -> u64 {
-        block_hashes_of(tokens, BLOCK, None, adapter_salt(adapter))
-            .iter()
-            .take_while(|h| self.held.contains(&(adapter.to_string(), **h)))
-            .count() as u64
-    }
-}
-
 const ADAPTERS: [&str; 3] = ["", "sql-lora", "chat-lora"];
 
 /// Engines hash a block with its LoRA adapter (vLLM puts the LoRA name in the block's extra
@@ -496,60 +472,13 @@ fn adapter_batch(prompts: &mut Prompts, i: usize) -> Vec<EngineEvent> {
     events
 }
 
-fn assert_adapters_converge(
-    kv: &Kvindex,
-    engine: &str,
-    model: &AdapterModel,
-    prompts: &[Vec<u32>],
-    what: &str,
-) {
-    let mut last = String::new();
-    let done = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        wait_for(what, WAIT, || {
-            for adapter in ADAPTERS {
-                for tokens in prompts {
-                    let (status, body) = kv.post(
-                        "/v1/lookup",
-                        &json!({"model": MODEL, "adapter": adapter, "token_ids": tokens, "block_size": BLOCK}),
-                    );
-                    assert_eq!(status, 200, "{body}");
-                    let got = body["engines"]
-                        .as_array()
-                        .unwrap()
-                        .iter()
-                        .find(|e| e["engine_id"] == engine)
-                        .map_or(0, |e| e["matched_blocks"].as_u64().unwrap());
-                    let want = model.matched(adapter, tokens);
-                    if got != want {
-                        last = format!("adapter `{adapter}`: got {got}, want {want}");
-                        return None;
-                    }
-                }
-            }
-            Some(())
-        })
-    }));
-    if done.is_err() {
-        panic!("{what}: {last}");
-    }
-}
-
-#[test]
-fn the_sidecar_bridge_keys_by_adapter_into_kafka_and_holds_while_the_broker_is_down() {
-    let broker = kvindex::source::EmbeddedBroker::start("kv-bridge", 4).unwrap();
-    let engine = FakeEngine::start(EngineSpec::vllm());
-    let source = format!(
-        "[source]\nkind = \"kafka\"\n[source.kafka]\nbrokers = \"{}\"\ntopic = \"kv-bridge\"\ngroup_id = \"\"\n",
-        broker.bootstrap_servers()
-    );
+/// A `kvindex bridge` sidecar publishing into `source`, and a `kvindex serve` consuming it.
+fn sidecar_and_serve(
+    source: &str,
+    bridge_toml: &str,
+) -> (Kvindex, Kvindex, [tempfile::TempDir; 2]) {
     let bridge_dir = tempfile::tempdir().unwrap();
-    let bridge_config = write_config(
-        bridge_dir.path(),
-        &format!(
-            "{source}[bridge]\npartition_by = \"adapter\"\ngone_after_s = 0\n{}",
-            engine_toml("pod-a", &engine, "")
-        ),
-    );
+    let bridge_config = write_config(bridge_dir.path(), &format!("{source}{bridge_toml}"));
     let bridge = spawn_kvindex(
         &["bridge", "--config", &bridge_config],
         bridge_dir.path(),
@@ -564,15 +493,33 @@ fn the_sidecar_bridge_keys_by_adapter_into_kafka_and_holds_while_the_broker_is_d
         &[],
         WAIT,
     );
+    (bridge, kv, [bridge_dir, serve_dir])
+}
+
+#[test]
+fn the_sidecar_bridge_keys_by_adapter_into_kafka_and_holds_while_the_broker_is_down() {
+    let broker = kvindex::source::EmbeddedBroker::start("kv-bridge", 4).unwrap();
+    let engine = FakeEngine::start(EngineSpec::vllm());
+    let source = format!(
+        "[source]\nkind = \"kafka\"\n[source.kafka]\nbrokers = \"{}\"\ntopic = \"kv-bridge\"\ngroup_id = \"\"\n",
+        broker.bootstrap_servers()
+    );
+    let (bridge, kv, _dirs) = sidecar_and_serve(
+        &source,
+        &format!(
+            "[bridge]\npartition_by = \"adapter\"\ngone_after_s = 0\n{}",
+            engine_toml("pod-a", &engine, "")
+        ),
+    );
     subscribed(&engine);
     let mut prompts = Prompts::new(21);
     for i in 0..30 {
         engine.publish(0, adapter_batch(&mut prompts, i));
     }
-    assert_adapters_converge(
+    assert_converges_in(
         &kv,
-        "pod-a",
-        &AdapterModel::fold(&engine.history(0)),
+        &ADAPTERS,
+        &[("pod-a".into(), Model::fold(&engine.history(0)))],
         &prompts.prompts,
         "adapter partitions through Kafka",
     );
@@ -596,10 +543,10 @@ fn the_sidecar_bridge_keys_by_adapter_into_kafka_and_holds_while_the_broker_is_d
     }
     std::thread::sleep(Duration::from_secs(2));
     broker.mock().broker_up(1).unwrap();
-    assert_adapters_converge(
+    assert_converges_in(
         &kv,
-        "pod-a",
-        &AdapterModel::fold(&engine.history(0)),
+        &ADAPTERS,
+        &[("pod-a".into(), Model::fold(&engine.history(0)))],
         &prompts.prompts,
         "after the broker came back",
     );
@@ -634,27 +581,12 @@ fn the_sidecar_bridge_into_nats_survives_a_server_restart() {
         "[source]\nkind = \"nats\"\n[source.nats]\nurl = \"{}\"\nstream = \"{stream}\"\nsubjects = [\"{stream}.kv.>\"]\ndurable = \"kvindex\"\n",
         nats.url()
     );
-    let bridge_dir = tempfile::tempdir().unwrap();
-    let bridge_config = write_config(
-        bridge_dir.path(),
+    let (bridge, kv, _dirs) = sidecar_and_serve(
+        &source,
         &format!(
-            "{source}[bridge]\ngone_after_s = 0\n{}",
+            "[bridge]\ngone_after_s = 0\n{}",
             engine_toml("sg", &engine, "")
         ),
-    );
-    let bridge = spawn_kvindex(
-        &["bridge", "--config", &bridge_config],
-        bridge_dir.path(),
-        &[],
-        WAIT,
-    );
-    let serve_dir = tempfile::tempdir().unwrap();
-    let serve_config = write_config(serve_dir.path(), &source);
-    let kv = spawn_kvindex(
-        &["serve", "--config", &serve_config],
-        serve_dir.path(),
-        &[],
-        WAIT,
     );
     subscribed(&engine);
     let mut prompts = Prompts::new(31);
