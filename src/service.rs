@@ -282,6 +282,12 @@ impl SourceSetup {
                 settings.partitions = Some((0..broker.partitions()).collect());
                 settings.log_is_ephemeral = true;
                 settings.reset_on_divergence = opts.reset_on_divergence;
+                // The mock does not wake a waiting fetch when data arrives (see
+                // `kafka::embedded`): keep each wait short, unless the config says otherwise.
+                settings
+                    .properties
+                    .entry("fetch.wait.max.ms".into())
+                    .or_insert_with(|| kafka::EMBEDDED_FETCH_WAIT_MS.to_string());
                 SourceSetup {
                     spec: SourceSpec::Kafka {
                         settings,

@@ -21,6 +21,11 @@
 //!   (no such message), so a timestamp start position means "latest" against the mock.
 //! * **Group join delay:** the mock defaults `group.initial.rebalance.delay.ms` to 3 s; we set
 //!   it to 0 so a consumer group starts consuming immediately.
+//! * **Fetches are not woken by new data:** a fetch that finds nothing waits its whole
+//!   `fetch.wait.max.ms` (librdkafka's default 500 ms) even if records arrive meanwhile, so a
+//!   quiet stream is seen up to half a second late. The service's consumer of the embedded
+//!   broker waits [`EMBEDDED_FETCH_WAIT_MS`] instead (`kvindex bench bridge`, 2,000 block
+//!   events/s: publish → visible p50 488 ms with the default, 13 ms with 10 ms).
 //! * Loopback only (`127.0.0.1`), no TLS/SASL, one replica per partition.
 
 use crate::source::SourceError;
@@ -28,6 +33,8 @@ use rdkafka::ClientConfig;
 use rdkafka::mocking::MockCluster;
 use rdkafka::producer::{BaseProducer, DefaultProducerContext, Producer};
 
+/// `fetch.wait.max.ms` of the service's consumer of the embedded broker (see the module docs).
+pub const EMBEDDED_FETCH_WAIT_MS: u32 = 10;
 /// Partitions of the embedded topic unless told otherwise.
 pub const DEFAULT_PARTITIONS: i32 = 16;
 /// Mock cluster retention per partition, in record batches (not records).

@@ -45,7 +45,7 @@ mod publisher;
 mod rebalance;
 pub mod wire;
 
-pub use embedded::{DEFAULT_PARTITIONS, EmbeddedBroker};
+pub use embedded::{DEFAULT_PARTITIONS, EMBEDDED_FETCH_WAIT_MS, EmbeddedBroker};
 pub use position::check_divergence;
 use position::refresh_loop;
 pub use publisher::KafkaPublisher;
