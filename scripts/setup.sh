@@ -10,6 +10,8 @@ command -v g++ >/dev/null 2>&1 || missing+=(g++)
 command -v make >/dev/null 2>&1 || missing+=(make)
 dpkg -s libzmq3-dev >/dev/null 2>&1 || missing+=(libzmq3-dev)
 command -v pkg-config >/dev/null 2>&1 || missing+=(pkg-config)
+# promtool (Prometheus's own checker) validates /metrics in the tests.
+command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
 command -v nats-server >/dev/null 2>&1 || [ -x /usr/sbin/nats-server ] || missing+=(nats-server)
 if ((${#missing[@]})); then
   echo "setup: installing ${missing[*]}"

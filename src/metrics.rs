@@ -257,8 +257,8 @@ impl Metrics {
                 index.partitions.len() as f64,
             ),
             (
-                "kvindex_l1_bytes",
-                "Bytes of memory held by the in-memory index.",
+                "kvindex_index_memory_bytes",
+                "Bytes of memory held by the in-memory index (kvindex_l1_bytes is what L1 accounts against its budget).",
                 index.l1_bytes as f64,
             ),
             ("kvindex_shards", "Index shards.", index.shards as f64),

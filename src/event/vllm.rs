@@ -2,12 +2,13 @@
 //!
 //! Two shipped encodings, both accepted, even mixed within one batch:
 //!
-//! * positional (vLLM ≤ 0.11, msgspec `array_like=True` tagged structs): the batch is
+//! * positional (vLLM ≤ 0.11 and SGLang, msgspec `array_like=True` tagged structs): the batch is
 //!   `[ts, [events...]]` or `[ts, [events...], dp_rank]`; an event is an array whose first
 //!   element is its tag:
 //!   `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
 //!   lora_name, ...]` (at least the 5 fields up to `lora_id`; later fields are optional and any
-//!   further trailing fields are ignored), `["BlockRemoved", block_hashes, medium?, ...]`,
+//!   further trailing fields are ignored; SGLang's `BlockStoredWithMetadata` has its
+//!   `metadata` map where vLLM has `lora_name`), `["BlockRemoved", block_hashes, medium?, ...]`,
 //!   `["AllBlocksCleared", ...]`;
 //! * named (vLLM 0.34): each event is a map with a `"type"` key and named fields; the batch is
 //!   an array as above or a map with keys `ts`, `events`, `data_parallel_rank`.
@@ -705,7 +706,18 @@ impl<'a> Reader<'a> {
                     raw.medium = self.opt_str("medium")?;
                 }
                 if fields > 6 {
-                    raw.lora_name = self.opt_str("lora_name")?;
+                    // vLLM's `lora_name` (a string or nil), or SGLang's
+                    // `BlockStoredWithMetadata` `metadata` map (`{"cache_salt": ...}`) in the
+                    // same place: told apart by type; the map is skipped (its salt is already
+                    // in SGLang's block hashes).
+                    let at = self.pos;
+                    if matches!(self.next()?, Mp::Map(_)) {
+                        self.pos = at;
+                        self.skip(3)?;
+                    } else {
+                        self.pos = at;
+                        raw.lora_name = self.opt_str("lora_name")?;
+                    }
                 }
                 fields.min(7)
             }

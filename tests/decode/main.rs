@@ -8,3 +8,4 @@ mod bad_input;
 mod fast_path;
 mod fixtures;
 mod lookup_body;
+mod sglang;

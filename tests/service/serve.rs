@@ -155,6 +155,8 @@ async fn embedded_default_consumes_answers_and_restarts_warm() {
         metrics.contains("kvindex_source_lag{source=\"kafka:kv-events\",partition=\"0\"} 0"),
         "{metrics}"
     );
+    // The whole page (index, sources, L1/L2 families) as Prometheus itself parses it.
+    crate::support::assert_promtool_accepts(&metrics);
     blocking(|| kv.terminate());
 
     // Restart: a new, empty embedded log; the index answers from disk at once.

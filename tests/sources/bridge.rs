@@ -254,6 +254,7 @@ fn serve_indexes_vllm_and_sglang_publishers_of_every_encoding_and_rank() {
             .contains("kvindex_bridge_batches_forwarded_total{engine=\"sglang\",dp_rank=\"1\"} 20"),
         "{metrics}"
     );
+    crate::support::assert_promtool_accepts(&metrics);
     kv.terminate();
 }
 

@@ -68,3 +68,37 @@ impl TestRng {
         (0..len).map(|_| self.next() as u8).collect()
     }
 }
+
+/// Checks a `/metrics` page with Prometheus's own `promtool check metrics` (installed by
+/// `scripts/setup.sh`): well-formed, no duplicate family, HELP and TYPE for each.
+pub fn assert_promtool_accepts(page: &str) {
+    use std::io::Write as _;
+    let mut child = std::process::Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("promtool (Debian package `prometheus`; scripts/setup.sh installs it)");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(page.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Lint warnings (e.g. counter naming) are reported on stdout with exit 3; errors fail.
+    assert!(
+        out.status.success() || out.status.code() == Some(3),
+        "promtool rejects /metrics: {said}\n{page}"
+    );
+    assert!(
+        !said.contains("error") && !said.contains("duplicate"),
+        "promtool: {said}"
+    );
+}
