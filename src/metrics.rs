@@ -229,13 +229,13 @@ impl Metrics {
         }
         write_family(
             &mut out,
-            "kvindex_commit_duration_seconds_sum",
+            "kvindex_commit_seconds_total",
             "counter",
             "Total time spent writing shard commits.",
         );
         let _ = writeln!(
             out,
-            "kvindex_commit_duration_seconds_sum {}",
+            "kvindex_commit_seconds_total {}",
             self.commit_sum_ns.load(Relaxed) as f64 / 1e9
         );
         self.render_sources(&mut out);
