@@ -111,12 +111,9 @@ pub struct Decoded {
     pub skipped: Vec<DecodeError>,
 }
 
-impl Decoded {
-    fn events(events: Vec<Event>) -> Decoded {
-        Decoded {
-            events,
-            skipped: Vec::new(),
-        }
+impl From<(Vec<Event>, Vec<DecodeError>)> for Decoded {
+    fn from((events, skipped): (Vec<Event>, Vec<DecodeError>)) -> Decoded {
+        Decoded { events, skipped }
     }
 }
 
@@ -170,25 +167,25 @@ pub fn decode_payload(
         });
     }
     match opts.format {
-        Format::Proto => proto::decode(bytes).map(Decoded::events),
-        Format::Json => json::decode(bytes).map(Decoded::events),
+        Format::Proto => proto::decode_skipping(bytes).map(Decoded::from),
+        Format::Json => json::decode_skipping(bytes).map(Decoded::from),
         Format::Vllm => decode_vllm(bytes, env, &opts.vllm),
         Format::Auto => match detect(bytes) {
             Format::Json if bytes.first() == Some(&b'\n') => {
                 // JSON after a newline, or a protobuf batch whose first event is 91 / 123
                 // bytes long: try both (see the module docs).
-                match json::decode(bytes) {
-                    Ok(events) => Ok(Decoded::events(events)),
-                    Err(json_err) => match proto::decode(bytes) {
-                        Ok(events) => Ok(Decoded::events(events)),
+                match json::decode_skipping(bytes) {
+                    Ok(decoded) => Ok(Decoded::from(decoded)),
+                    Err(json_err) => match proto::decode_skipping(bytes) {
+                        Ok(decoded) => Ok(Decoded::from(decoded)),
                         Err(_) if json_like(bytes) => Err(json_err),
                         Err(proto_err) => Err(proto_err),
                     },
                 }
             }
-            Format::Json => json::decode(bytes).map(Decoded::events),
+            Format::Json => json::decode_skipping(bytes).map(Decoded::from),
             Format::Vllm => decode_vllm(bytes, env, &opts.vllm),
-            Format::Proto | Format::Auto => proto::decode(bytes).map(Decoded::events),
+            Format::Proto | Format::Auto => proto::decode_skipping(bytes).map(Decoded::from),
         },
     }
 }

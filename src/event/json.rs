@@ -43,6 +43,33 @@ pub fn decode(bytes: &[u8]) -> Result<Vec<Event>, DecodeError> {
     messages.into_iter().map(proto::from_pb).collect()
 }
 
+/// Like [`decode`], but in an array one event that is bad (a wrong-typed field, a failed
+/// conversion) is skipped into the second list instead of failing the whole array; a body
+/// that is not well-formed JSON still fails as a whole.
+pub fn decode_skipping(bytes: &[u8]) -> Result<(Vec<Event>, Vec<DecodeError>), DecodeError> {
+    let whole = match decode(bytes) {
+        Ok(events) => return Ok((events, Vec::new())),
+        Err(e) => e,
+    };
+    let items: Vec<serde_json::Value> = match serde_json::from_slice(bytes) {
+        Ok(serde_json::Value::Array(items)) => items,
+        _ => return Err(whole),
+    };
+    let mut events = Vec::with_capacity(items.len());
+    let mut skipped = Vec::new();
+    for item in items {
+        if !item.is_object() {
+            return Err(whole);
+        }
+        let one = serde_json::to_vec(&item).map_err(|e| DecodeError::Json(e.to_string()))?;
+        match decode(&one) {
+            Ok(mut evs) => events.append(&mut evs),
+            Err(e) => skipped.push(e),
+        }
+    }
+    Ok((events, skipped))
+}
+
 fn map_error(e: serde_json::Error, field: Option<&'static str>) -> DecodeError {
     use serde_json::error::Category;
     if e.to_string().starts_with("recursion limit exceeded") {

@@ -46,6 +46,33 @@ pub fn decode(bytes: &[u8]) -> Result<Vec<Event>, DecodeError> {
     }
 }
 
+/// Like [`decode`], but an event of a batch that fails conversion (e.g. an empty
+/// `replica_id`) is skipped into the second list instead of failing the whole batch; only a
+/// body whose framing is broken fails as a whole.
+pub fn decode_skipping(bytes: &[u8]) -> Result<(Vec<Event>, Vec<DecodeError>), DecodeError> {
+    if let Some(events) = decode_fast(bytes) {
+        return Ok((events, Vec::new()));
+    }
+    if bytes.first() == Some(&BATCH_TAG) {
+        let buf = bytes::Bytes::copy_from_slice(bytes);
+        if let Ok(batch) = pb::CacheEventBatch::decode(buf) {
+            let mut events = Vec::with_capacity(batch.events.len());
+            let mut skipped = Vec::new();
+            for msg in batch.events {
+                match from_pb(msg) {
+                    Ok(ev) => events.push(ev),
+                    Err(e) => skipped.push(e),
+                }
+            }
+            // A body that is also a valid single event with no good batch event is one.
+            if !events.is_empty() || decode_prost(bytes).is_err() {
+                return Ok((events, skipped));
+            }
+        }
+    }
+    decode_prost(bytes).map(|events| (events, Vec::new()))
+}
+
 /// The fast path alone: the events of a well-formed body, or `None` where [`decode`] would
 /// fall back to [`decode_prost`]. Public so tests can check it against the reference decoder.
 #[doc(hidden)]

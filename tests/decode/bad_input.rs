@@ -207,10 +207,6 @@ fn wrong_typed_fields_name_the_field() {
             r#"{"type":"PREFIX_ADDED","replica_id":"r","seq":1,"seq":2}"#,
             "seq",
         ),
-        (
-            r#"[{"type":"PREFIX_ADDED","replica_id":"r"},{"type":"PREFIX_ADDED","adapter_scoped":1}]"#,
-            "adapter_scoped",
-        ),
     ];
     for (doc, field) in json_cases {
         match err(doc.as_bytes(), Format::Auto) {
@@ -218,6 +214,19 @@ fn wrong_typed_fields_name_the_field() {
             other => panic!("{doc}: {other:?}"),
         }
     }
+    // In an array, the bad event is skipped (its field named) and the others decode.
+    let d = decode_payload(
+        br#"[{"type":"PREFIX_ADDED","replica_id":"r"},{"type":"PREFIX_ADDED","adapter_scoped":1}]"#,
+        &env(),
+        &opts(Format::Auto),
+    )
+    .unwrap();
+    assert_eq!(d.events.len(), 1);
+    assert!(
+        matches!(&d.skipped[..], [DecodeError::Field { field: "adapter_scoped", .. }]),
+        "{:?}",
+        d.skipped
+    );
     // An unknown type name is an Unknown event, not an error; unknown fields are ignored.
     assert_eq!(
         decode(br#"{"type":"PREFIX_MOVED","new":{"x":[1]}}"#, Format::Json),
@@ -389,4 +398,35 @@ fn fuzz_mutations_never_panic() {
             }
         }
     }
+}
+
+#[test]
+fn one_bad_event_in_a_batch_skips_only_that_event() {
+    use kvindex::event::{Event, EventKind, PartitionKey, encode};
+    let good = |engine: &str| {
+        let mut ev = Event::new(EventKind::Removed, engine, PartitionKey::new("t", "m", ""));
+        ev.block_hashes = vec![kvindex::event::EngineHash(7)];
+        ev
+    };
+    // Protobuf: the middle event has no replica id.
+    let events = [good("a"), good(""), good("c")];
+    let d = decode_payload(&encode::to_proto(&events), &env(), &opts(Format::Auto)).unwrap();
+    let engines: Vec<&str> = d.events.iter().map(|e| e.engine.as_str()).collect();
+    assert_eq!(engines, ["a", "c"]);
+    assert_eq!(d.skipped.len(), 1);
+    assert_eq!(d.skipped[0].reason(), "bad_field");
+    // JSON: one event with a wrong-typed field, one without a replica id.
+    let body = br#"[{"type":"PREFIX_EVICTED","replica_id":"a","block_hashes":["07"]},
+        {"type":"PREFIX_ADDED","replica_id":"r","block_size":"16"},
+        {"type":"PREFIX_EVICTED","replica_id":"","block_hashes":["07"]},
+        {"type":"PREFIX_EVICTED","replica_id":"d","block_hashes":["07"]}]"#;
+    for format in [Format::Auto, Format::Json] {
+        let d = decode_payload(body, &env(), &opts(format)).unwrap();
+        let engines: Vec<&str> = d.events.iter().map(|e| e.engine.as_str()).collect();
+        assert_eq!(engines, ["a", "d"], "{format}");
+        let reasons: Vec<&str> = d.skipped.iter().map(DecodeError::reason).collect();
+        assert_eq!(reasons, ["bad_field", "bad_field"], "{format}");
+    }
+    // Broken framing still fails the whole payload.
+    assert!(decode(br#"[{"type":"PREFIX_EVICTED","replica_id":"a"},"#, Format::Json).is_err());
 }
