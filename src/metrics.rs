@@ -229,6 +229,17 @@ impl Metrics {
         }
         write_family(
             &mut out,
+            "kvindex_block_size_conflicts_total",
+            "counter",
+            "Events whose block size differs from the size pinned for their model.",
+        );
+        let _ = writeln!(
+            out,
+            "kvindex_block_size_conflicts_total {}",
+            index.block_size_conflicts
+        );
+        write_family(
+            &mut out,
             "kvindex_commit_seconds_total",
             "counter",
             "Total time spent writing shard commits.",

@@ -128,6 +128,9 @@ impl Service {
         let index = Arc::new(Index::new(index_config));
         let spill = Arc::new(Spill::new(&config, index.clone(), store.clone(), clock));
         let loaded = load(&store, &index, &spill)?;
+        for (tenant, model, size) in store.block_sizes()? {
+            index.pin_block_size(&tenant, &model, size);
+        }
         let progress = Arc::new(Progress::new(index.shard_count()));
         for shard in 0..store.shards() {
             for (source, partition, next) in store.shard_offsets(shard)? {

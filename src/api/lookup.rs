@@ -147,7 +147,13 @@ fn answer(state: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Answe
             let bs = req
                 .block_size
                 .or_else(learned)
-                .unwrap_or(state.default_block_size);
+                .or((state.default_block_size > 0).then_some(state.default_block_size))
+                .ok_or_else(|| {
+                    ApiError::bad_request(format!(
+                        "block_size: unknown for model `{}` (tenant `{}`): no event with token ids has told kvindex its block size; pass `block_size`",
+                        p.model, p.tenant
+                    ))
+                })?;
             (
                 QueryBlocks::Tokens {
                     token_ids,

@@ -28,8 +28,9 @@ use std::time::Instant;
 
 /// Default of [`AppState::max_body_bytes`]: 1 MiB.
 pub const DEFAULT_MAX_BODY_BYTES: usize = 1 << 20;
-/// Default of [`AppState::default_block_size`] (vLLM's default).
-pub const DEFAULT_BLOCK_SIZE: u32 = 16;
+/// Default of [`AppState::default_block_size`]: none (a token lookup for a model whose
+/// block size no event has told is a 400, never an empty answer keyed with a guess).
+pub const DEFAULT_BLOCK_SIZE: u32 = 0;
 
 /// Every (method, path) the router serves, in the order of [`router`]. `GET` routes answer
 /// `HEAD` too. Kept by hand in step with [`router`]; `tests/service/api.rs` checks each is

@@ -5,7 +5,7 @@
 use super::AppState;
 use crate::bridge::StreamReport;
 use crate::event::{PartitionKey, Tier, engine_id};
-use crate::index::EngineInfo;
+use crate::index::{EngineInfo, PinnedSize};
 use crate::ingest::SourceStatus;
 use crate::spill::SpillStats;
 use axum::Json;
@@ -130,6 +130,8 @@ struct IndexConfig<'a> {
     l1_bytes: usize,
     /// `null` while the index is empty.
     l1_bytes_per_membership: Option<f64>,
+    /// The block size pinned per (tenant, model), with the events that conflicted with it.
+    block_sizes: &'a [PinnedSize],
 }
 
 #[derive(Serialize)]
@@ -185,6 +187,7 @@ pub async fn stats(State(state): State<AppState>) -> Response {
             l1_bytes: s.l1_bytes,
             l1_bytes_per_membership: (s.memberships > 0)
                 .then(|| s.l1_bytes as f64 / s.memberships as f64),
+            block_sizes: &s.block_sizes,
         },
         events: EventsSection {
             applied: m.applied(),

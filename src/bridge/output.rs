@@ -7,8 +7,10 @@
 //! * `partition_by = "adapter"`: the batch decoded and re-encoded as kvindex `CacheEventBatch`
 //!   protobuf, one record per adapter partition it touches, keyed by [`adapter_key`], so
 //!   Kafka's partitioner spreads adapters over partitions. Events that concern every adapter
-//!   of the engine (`AllBlocksCleared`, unscoped removals, fences) go to every adapter
-//!   partition the stream has published to, in order with the rest of that partition.
+//!   of the engine (unscoped removals, `AllBlocksCleared`, fences) go to every adapter
+//!   partition the stream has published to, as one copy scoped to each (a scoped removal, an
+//!   `ADAPTER_CLEARED`), so each applies in order with that partition's stores: a sweeping
+//!   copy applied late in one partition would clear what was stored again through another.
 
 use crate::event::{
     DecodeError, Envelope, Event, EventKind, PartitionKey, VllmSettings, encode, engine_id, vllm,
@@ -148,9 +150,12 @@ impl StreamLabels {
         for mut ev in events {
             ev.seq = seq;
             if ev.is_adapter_agnostic() {
+                // To every adapter partition the engine used, as one copy scoped to each: it
+                // then applies in order with the rest of its partition (a sweeping copy in one
+                // Kafka partition could overtake stores made later through another).
                 for adapter in adapters.iter() {
                     let key = PartitionKey::new(&ev.partition.tenant, &ev.partition.model, adapter);
-                    push(&mut groups, key, ev.clone());
+                    push(&mut groups, key.clone(), scoped_to(&ev, key));
                 }
             } else {
                 if adapters.insert(ev.partition.adapter.clone()) {
@@ -190,15 +195,31 @@ impl StreamLabels {
                 let base = BTreeSet::from([String::new()]);
                 adapters
                     .union(&base)
-                    .map(|adapter| Record {
-                        key: adapter_key(&PartitionKey::new(&self.tenant, &self.model, adapter)),
-                        headers: self.headers(None, epoch),
-                        payload: encode::to_proto(std::slice::from_ref(&cleared)),
+                    .map(|adapter| {
+                        let key = PartitionKey::new(&self.tenant, &self.model, adapter);
+                        let scoped = scoped_to(&cleared, key.clone());
+                        Record {
+                            key: adapter_key(&key),
+                            headers: self.headers(None, epoch),
+                            payload: encode::to_proto(std::slice::from_ref(&scoped)),
+                        }
                     })
                     .collect()
             }
         }
     }
+}
+
+/// A sweep over every adapter partition (an unscoped removal, a clear) restricted to
+/// `partition` alone: a scoped removal, an `ADAPTER_CLEARED`.
+fn scoped_to(ev: &Event, partition: PartitionKey) -> Event {
+    let mut copy = ev.clone();
+    copy.partition = partition;
+    copy.adapter_scoped = true;
+    if copy.kind == EventKind::AllCleared {
+        copy.kind = EventKind::AdapterCleared;
+    }
+    copy
 }
 
 /// A batch's records and what they hold.
@@ -292,12 +313,11 @@ mod tests {
                 .unwrap()
                 .events;
             assert!(events.iter().all(|e| e.engine == "pod-a#dp1" && e.seq == 4));
-            assert_eq!(
-                events.last().unwrap().kind,
-                EventKind::Removed,
-                "the unscoped removal reaches {}",
-                r.key
-            );
+            // The unscoped removal reaches every adapter partition, as a copy scoped to it.
+            let last = events.last().unwrap();
+            assert_eq!(last.kind, EventKind::Removed, "{}", r.key);
+            assert!(last.adapter_scoped, "{}", r.key);
+            assert_eq!(adapter_key(&last.partition), r.key);
         }
         let fence = labels().fence(PartitionBy::Adapter, 5, &adapters);
         assert_eq!(fence.len(), 2);
@@ -308,8 +328,9 @@ mod tests {
             assert_eq!(events.len(), 1);
             assert_eq!(
                 (events[0].kind, events[0].engine.as_str()),
-                (EventKind::AllCleared, "pod-a#dp1")
+                (EventKind::AdapterCleared, "pod-a#dp1")
             );
+            assert_eq!(adapter_key(&events[0].partition), r.key);
         }
     }
 

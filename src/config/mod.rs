@@ -275,7 +275,8 @@ pub struct IndexConfig {
     pub shards: usize,
     /// Chain-hash seed; every replica that shares answers must share it.
     pub seed: u64,
-    /// Block size assumed for token lookups of a (tenant, model) no event has told us about.
+    /// Block size assumed for token lookups of a (tenant, model) no event has told us about;
+    /// 0 = none (such a lookup is a 400 that says so).
     pub default_block_size: u32,
     /// L1 memory budget.
     pub l1_max_bytes: u64,
@@ -394,7 +395,7 @@ impl Default for IndexConfig {
         IndexConfig {
             shards: 0,
             seed: 0x6b76_696e_6465_7831,
-            default_block_size: 16,
+            default_block_size: 0,
             l1_max_bytes: 1 << 30,
             high_watermark: 0.8,
             low_watermark: 0.6,

@@ -96,9 +96,6 @@ impl Config {
             ));
         }
         let index = &self.index;
-        if index.default_block_size == 0 {
-            return Err(bad("index.default_block_size", "must be at least 1, got 0"));
-        }
         if index.l1_max_bytes == 0 {
             return Err(bad("index.l1_max_bytes", "must be at least 1, got 0"));
         }

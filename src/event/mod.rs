@@ -24,6 +24,9 @@ pub enum EventKind {
     Removed,
     /// The engine dropped everything it held for this (tenant, model).
     AllCleared,
+    /// The engine dropped everything it held in this one (tenant, model, adapter) partition
+    /// (proto `ADAPTER_CLEARED`; what the bridge splits a clear into per adapter partition).
+    AdapterCleared,
     /// Liveness only: the engine is alive; no membership changes.
     ReplicaUpdated,
     /// A type this build does not know (the raw enum value); counted and skipped.

@@ -123,6 +123,7 @@ pub fn kind_from_i32(v: i32) -> EventKind {
         Ok(PbType::PrefixEvicted) => EventKind::Removed,
         Ok(PbType::ReplicaUpdated) => EventKind::ReplicaUpdated,
         Ok(PbType::AllCleared) => EventKind::AllCleared,
+        Ok(PbType::AdapterCleared) => EventKind::AdapterCleared,
         Ok(PbType::Unspecified) | Err(_) => EventKind::Unknown(v),
     }
 }
@@ -134,6 +135,7 @@ pub fn kind_to_i32(kind: EventKind) -> i32 {
         EventKind::Removed => PbType::PrefixEvicted as i32,
         EventKind::ReplicaUpdated => PbType::ReplicaUpdated as i32,
         EventKind::AllCleared => PbType::AllCleared as i32,
+        EventKind::AdapterCleared => PbType::AdapterCleared as i32,
         EventKind::Unknown(v) => v,
     }
 }
@@ -160,7 +162,7 @@ pub fn tier_to_i32(tier: Tier) -> i32 {
 pub(crate) fn needs_replica(kind: EventKind) -> bool {
     matches!(
         kind,
-        EventKind::Stored | EventKind::Removed | EventKind::AllCleared
+        EventKind::Stored | EventKind::Removed | EventKind::AllCleared | EventKind::AdapterCleared
     )
 }
 

@@ -10,6 +10,7 @@
 //! shard, so parents resolve locally. A lookup reads every shard (their engine sets are
 //! disjoint) and concatenates.
 
+pub mod block_sizes;
 pub mod changes;
 pub mod hash;
 pub mod holders;
@@ -17,6 +18,7 @@ pub mod l1;
 pub mod shard;
 pub mod table;
 
+pub use block_sizes::{BlockSizes, Observed, PinnedSize};
 pub use changes::{BlockChange, ChangeSet, EngineChange, MapChange};
 pub use l1::ShardL1;
 pub use shard::{RawMatch, Shard, SkipReason};
@@ -162,15 +164,18 @@ pub struct IndexStats {
     pub engines: usize,
     pub l1_bytes: usize,
     pub partitions: Vec<PartitionStats>,
+    /// Pinned block sizes per (tenant, model), with their conflicts.
+    pub block_sizes: Vec<PinnedSize>,
+    /// Events whose block size conflicted with their model's pin.
+    pub block_size_conflicts: u64,
 }
 
 /// The sharded in-memory index. Cheap to share behind an `Arc`.
 pub struct Index {
     shards: Vec<RwLock<Shard>>,
     config: IndexSettings,
-    /// Block size each (tenant, model) was last seen storing token chains with, so token
-    /// lookups need not name it. Written only when it changes, so the read path stays cheap.
-    block_sizes: RwLock<hashbrown::HashMap<(String, String), u32>>,
+    /// The block size each (tenant, model) stores token chains with (`block_sizes.rs`).
+    block_sizes: BlockSizes,
 }
 
 impl Index {
@@ -184,28 +189,47 @@ impl Index {
                 shards: n,
                 ..config
             },
-            block_sizes: RwLock::new(hashbrown::HashMap::new()),
+            block_sizes: BlockSizes::default(),
         }
     }
 
-    /// Remembers the block size a token-carrying event of (tenant, model) used.
+    /// What a token-carrying event's block size means for its (tenant, model) (see
+    /// [`BlockSizes`]); `Known` for events without tokens.
+    pub fn observe_block_size(&self, ev: &Event) -> Observed {
+        match &ev.content {
+            crate::event::BlockContent::Tokens { block_size, .. } => {
+                self.block_sizes
+                    .observe(&ev.partition.tenant, &ev.partition.model, *block_size)
+            }
+            _ => Observed::Known,
+        }
+    }
+
+    /// Pins the block size of (tenant, model) (first pin wins; see [`BlockSizes::pin`]).
+    pub fn pin_block_size(&self, tenant: &str, model: &str, size: u32) -> u32 {
+        self.block_sizes.pin(tenant, model, size)
+    }
+
+    /// Pins what `ev` tells (tests and tools that apply events without the pipeline).
     pub fn learn_block_size(&self, ev: &Event) {
-        let crate::event::BlockContent::Tokens { block_size, .. } = &ev.content else {
-            return;
-        };
-        let key = (ev.partition.tenant.clone(), ev.partition.model.clone());
-        if self.block_sizes.read().get(&key) == Some(block_size) {
-            return;
+        if let Observed::New(size) = self.observe_block_size(ev) {
+            self.pin_block_size(&ev.partition.tenant, &ev.partition.model, size);
         }
-        self.block_sizes.write().insert(key, *block_size);
     }
 
-    /// The block size (tenant, model) stores token chains with, if any event told us.
+    /// The block size (tenant, model) stores token chains with, if pinned.
     pub fn block_size(&self, tenant: &str, model: &str) -> Option<u32> {
-        self.block_sizes
-            .read()
-            .get(&(tenant.to_string(), model.to_string()))
-            .copied()
+        self.block_sizes.get(tenant, model)
+    }
+
+    /// Every pinned block size, with its conflicts.
+    pub fn block_sizes(&self) -> Vec<PinnedSize> {
+        self.block_sizes.list()
+    }
+
+    /// Events whose block size conflicted with their model's pin.
+    pub fn block_size_conflicts(&self) -> u64 {
+        self.block_sizes.conflicts()
     }
 
     pub fn config(&self) -> &IndexSettings {
@@ -351,6 +375,8 @@ impl Index {
     pub fn stats(&self) -> IndexStats {
         let mut stats = IndexStats {
             shards: self.shards.len(),
+            block_sizes: self.block_sizes.list(),
+            block_size_conflicts: self.block_sizes.conflicts(),
             ..IndexStats::default()
         };
         let mut partitions: BTreeMap<PartitionKey, PartitionStats> = BTreeMap::new();

@@ -46,10 +46,11 @@ pub use spill::{ShardSpill, Spill};
 pub use worker::CommitSettings;
 
 use crate::event::{DecodeSettings, Decoded, Envelope, Event, EventKind, decode_payload};
-use crate::index::{Index, SkipReason};
+use crate::index::{Index, Observed, SkipReason};
 use crate::metrics::Metrics;
 use crate::source::{Checkpoints, Message};
 use crate::store::{Store, StoreError};
+use crate::util::LogEvery;
 use progress::PartId;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
@@ -112,6 +113,8 @@ pub struct Pipeline {
     workers: Vec<JoinHandle<()>>,
     /// Set by [`Pipeline::close`]: the workers stop holding events back at L1's hard cap.
     closing: Arc<AtomicBool>,
+    /// Rate limit of the block-size conflict warning.
+    conflict_warnings: LogEvery,
 }
 
 impl Pipeline {
@@ -155,6 +158,7 @@ impl Pipeline {
             senders,
             workers,
             closing,
+            conflict_warnings: LogEvery::new(std::time::Duration::from_secs(10)),
         }
     }
 
@@ -219,6 +223,28 @@ impl Pipeline {
         }
     }
 
+    /// Pins the block size of a token-carrying event's model the first time one is seen,
+    /// durably before the event is routed (so no commit holds it without its size); another
+    /// size than the pinned one is counted and logged, and the event keys with its own.
+    fn pin_block_size(&self, ev: &Event) -> Result<(), StoreError> {
+        match self.index.observe_block_size(ev) {
+            Observed::Known => {}
+            Observed::New(size) => {
+                let (tenant, model) = (&ev.partition.tenant, &ev.partition.model);
+                self.store.pin_block_size(tenant, model, size)?;
+                self.index.pin_block_size(tenant, model, size);
+            }
+            Observed::Conflict { pinned, got } => {
+                if self.conflict_warnings.ready() {
+                    tracing::warn!(tenant = %ev.partition.tenant, model = %ev.partition.model,
+                        engine = %ev.engine, pinned, got,
+                        "block size conflicts with the model's pinned one; token lookups keep the pinned size");
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Decodes a batch of messages of `source` and routes their events with their positions.
     /// Before the first batch of a source partition in this process its shard rows are begun
     /// in the store; if that fails nothing is routed and the error is returned (retry the
@@ -260,7 +286,7 @@ impl Pipeline {
                 if self.skip_unknown(&ev) {
                     continue;
                 }
-                self.index.learn_block_size(&ev);
+                self.pin_block_size(&ev)?;
                 work[self.index.route(&ev)].events.push(ev);
                 stats.events += 1;
             }

@@ -51,7 +51,7 @@ fn kind_slot(kind: EventKind) -> Option<usize> {
     match kind {
         EventKind::Stored => Some(0),
         EventKind::Removed => Some(1),
-        EventKind::AllCleared => Some(2),
+        EventKind::AllCleared | EventKind::AdapterCleared => Some(2),
         EventKind::ReplicaUpdated => Some(3),
         EventKind::Unknown(_) => None,
     }

@@ -600,7 +600,7 @@ impl Fleet {
                 self.stats.removed_events += 1;
                 self.stats.blocks_removed += ev.block_hashes.len() as u64;
             }
-            EventKind::AllCleared => self.stats.cleared_events += 1,
+            EventKind::AllCleared | EventKind::AdapterCleared => self.stats.cleared_events += 1,
             EventKind::ReplicaUpdated | EventKind::Unknown(_) => self.stats.heartbeat_events += 1,
         }
         let heartbeat_partition = self.base_partition(self.engines[e].deployment);

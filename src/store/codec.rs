@@ -41,6 +41,8 @@ pub const TAG_SHARD_ENGINE: u8 = 5;
 /// `meta`: shard u16, partition id u32 → empty (the partition exists in the shard, counters
 /// or not: `/v1/stats` lists it).
 pub const TAG_SHARD_PARTITION: u8 = 6;
+/// `meta`: encoded (tenant, model, "") partition key → the model's pinned block size (u32).
+pub const TAG_BLOCK_SIZE: u8 = 7;
 
 pub fn block_key(shard: u16, key: u64) -> [u8; 10] {
     let mut k = [0u8; 10];

@@ -34,6 +34,7 @@ mod registry;
 
 pub use l2::{ROW_BLOCKS, ROW_MAPS, StoreSink};
 
+use crate::event::PartitionKey;
 use crate::index::SkipReason;
 use codec::*;
 use parking_lot::Mutex;
@@ -260,6 +261,33 @@ impl Store {
             Ok(())
         })?;
         Ok(())
+    }
+
+    /// Makes `size` the durable block size of (tenant, model): written (WAL) before any
+    /// event carrying it is routed, so no commit can hold such an event without its size.
+    pub fn pin_block_size(&self, tenant: &str, model: &str, size: u32) -> Result<(), StoreError> {
+        let meta = self.cf(CF_META)?;
+        let key = tagged(
+            TAG_BLOCK_SIZE,
+            &encode_partition(&PartitionKey::new(tenant, model, "")),
+        );
+        Ok(self
+            .db
+            .put_cf_opt(meta, key, size.to_be_bytes(), &self.write_opts)?)
+    }
+
+    /// Every durable block size: (tenant, model, size).
+    pub fn block_sizes(&self) -> Result<Vec<(String, String, u32)>, StoreError> {
+        let mut out = Vec::new();
+        self.scan(CF_META, &[TAG_BLOCK_SIZE], |k, v| {
+            let key = decode_partition(&k[1..])?;
+            let size = <[u8; 4]>::try_from(v)
+                .map(u32::from_be_bytes)
+                .map_err(|_| corrupt("block size", v))?;
+            out.push((key.tenant, key.model, size));
+            Ok(())
+        })?;
+        Ok(out)
     }
 
     pub fn path(&self) -> &Path {

@@ -223,7 +223,13 @@ fn wrong_typed_fields_name_the_field() {
     .unwrap();
     assert_eq!(d.events.len(), 1);
     assert!(
-        matches!(&d.skipped[..], [DecodeError::Field { field: "adapter_scoped", .. }]),
+        matches!(
+            &d.skipped[..],
+            [DecodeError::Field {
+                field: "adapter_scoped",
+                ..
+            }]
+        ),
         "{:?}",
         d.skipped
     );
@@ -428,5 +434,11 @@ fn one_bad_event_in_a_batch_skips_only_that_event() {
         assert_eq!(reasons, ["bad_field", "bad_field"], "{format}");
     }
     // Broken framing still fails the whole payload.
-    assert!(decode(br#"[{"type":"PREFIX_EVICTED","replica_id":"a"},"#, Format::Json).is_err());
+    assert!(
+        decode(
+            br#"[{"type":"PREFIX_EVICTED","replica_id":"a"},"#,
+            Format::Json
+        )
+        .is_err()
+    );
 }

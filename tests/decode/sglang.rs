@@ -75,10 +75,16 @@ fn positional_and_map_salted_stores_with_attention_dp_rank_and_sglang_media() {
     assert!(decoded.skipped.is_empty(), "{:?}", decoded.skipped);
     let events = decoded.events;
     assert_eq!(events.len(), 3);
-    assert!(events.iter().all(|e| e.engine == "sg#dp3"), "attn_dp_rank names the rank");
+    assert!(
+        events.iter().all(|e| e.engine == "sg#dp3"),
+        "attn_dp_rank names the rank"
+    );
     assert_eq!(events[0].kind, EventKind::Stored);
     assert_eq!(events[0].tier, Tier::Cpu);
-    assert_eq!(events[0].partition.adapter, "", "the metadata map is not a LoRA name");
+    assert_eq!(
+        events[0].partition.adapter, "",
+        "the metadata map is not a LoRA name"
+    );
     assert_eq!(
         events[0].block_hashes,
         vec![EngineHash::from_i64(-5), EngineHash(7)]

@@ -65,7 +65,7 @@ fn fleet_drives_the_index_consistently() {
                         "removed_adapter"
                     }
                 }
-                EventKind::AllCleared => "cleared",
+                EventKind::AllCleared | EventKind::AdapterCleared => "cleared",
                 EventKind::ReplicaUpdated => "heartbeat",
                 EventKind::Unknown(_) => "unknown",
             };

@@ -558,3 +558,27 @@ fn a_limited_lookup_is_the_full_answer_cut_short() {
     }
     assert!(widest > 8, "answers too narrow to test the cut: {widest}");
 }
+
+#[test]
+fn adapter_cleared_drops_the_engine_from_its_own_partition_only() {
+    for index in indexes() {
+        for a in ["", "sql", "chat"] {
+            apply(&index, &store("e", part(a), 1, 0, 3, Tier::Gpu));
+        }
+        apply(&index, &store("f", part("sql"), 1, 0, 2, Tier::Gpu));
+        apply(
+            &index,
+            &Event::new(EventKind::AdapterCleared, "e", part("sql")),
+        );
+        assert_eq!(lookup(&index, &part("sql"), 1, 3), rows(&[("f", 2)]));
+        assert_eq!(lookup(&index, &part(""), 1, 3), rows(&[("e", 3)]));
+        assert_eq!(lookup(&index, &part("chat"), 1, 3), rows(&[("e", 3)]));
+        // The base model's own partition, by the empty adapter.
+        apply(
+            &index,
+            &Event::new(EventKind::AdapterCleared, "e", part("")),
+        );
+        assert!(lookup(&index, &part(""), 1, 3).is_empty());
+        assert_eq!(lookup(&index, &part("chat"), 1, 3), rows(&[("e", 3)]));
+    }
+}

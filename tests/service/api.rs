@@ -295,20 +295,20 @@ async fn partitions_are_isolated() {
 
     let v = lookup(
         &app,
-        json!({"model": "llama", "tenant": "acme", "token_ids": tokens(12)}),
+        json!({"model": "llama", "tenant": "acme", "token_ids": tokens(12), "block_size": 4}),
     )
     .await;
     assert_eq!(rows(&v), [row("engine-t", 3, json!(12), "GPU")]);
     let v = lookup(
         &app,
-        json!({"model": "llama", "tenant": "other", "token_ids": tokens(12)}),
+        json!({"model": "llama", "tenant": "other", "token_ids": tokens(12), "block_size": 4}),
     )
     .await;
     assert_eq!(v["engines"], json!([]));
 }
 
 #[tokio::test]
-async fn block_size_is_learned_per_model_else_default() {
+async fn block_size_is_learned_per_model_else_a_400() {
     let (state, _) = fixture();
     let app = api::router(state);
     let v = lookup(&app, json!({"model": "m8", "token_ids": tokens(20)})).await;
@@ -317,7 +317,22 @@ async fn block_size_is_learned_per_model_else_default() {
         (json!(8), json!(2))
     );
     assert_eq!(rows(&v), [row("engine-m8", 2, json!(16), "GPU")]);
-    // No events for this model: the default (16).
+    // No event told this model's block size: a 400 that says so, never an empty answer
+    // keyed with a guess.
+    let body = json!({"model": "nobody", "token_ids": tokens(40)}).to_string();
+    let (status, v) = call_json(&app, "POST", "/v1/lookup", Some(&body)).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
+    assert!(
+        v["error"]
+            .as_str()
+            .unwrap()
+            .starts_with("block_size: unknown for model `nobody`"),
+        "{v}"
+    );
+    // Unless the operator configured a default.
+    let (mut state, _) = fixture();
+    state.default_block_size = 16;
+    let app = api::router(state);
     let v = lookup(&app, json!({"model": "nobody", "token_ids": tokens(40)})).await;
     assert_eq!(
         (v["block_size"].clone(), v["query_blocks"].clone()),

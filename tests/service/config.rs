@@ -70,7 +70,7 @@ fn defaults() {
     assert!(c.source.vllm.lora_names.is_empty());
     assert_eq!(c.index.shards, 0);
     assert_eq!(c.index.seed, 0x6b76696e64657831);
-    assert_eq!(c.index.default_block_size, 16);
+    assert_eq!(c.index.default_block_size, 0);
     assert_eq!(c.index.l1_max_bytes, 1_073_741_824);
     assert_eq!(c.index.high_watermark, 0.8);
     assert_eq!(c.index.low_watermark, 0.6);
@@ -375,10 +375,6 @@ fn every_validation_error_names_its_field() {
         (
             "[source.vllm.lora_names]\n3 = 4",
             "source.vllm.lora_names.3",
-        ),
-        (
-            "[index]\ndefault_block_size = 0",
-            "index.default_block_size",
         ),
         ("[index]\nl1_max_bytes = 0", "index.l1_max_bytes"),
         ("[index]\nhigh_watermark = 1.5", "index.high_watermark"),

@@ -22,7 +22,8 @@ impl Shard {
         match ev.kind {
             EventKind::Stored => self.store(ev, seen),
             EventKind::Removed => self.remove(ev, seen),
-            EventKind::AllCleared => self.clear(ev, seen),
+            EventKind::AllCleared => self.clear(ev, seen, false),
+            EventKind::AdapterCleared => self.clear(ev, seen, true),
             EventKind::ReplicaUpdated => {
                 let eid = self.intern_engine(&ev.engine)?;
                 self.touch(eid, seen);
@@ -268,12 +269,14 @@ impl Shard {
         Ok(removed)
     }
 
-    fn clear(&mut self, ev: &Event, seen_us: i64) -> Result<usize, SkipReason> {
+    /// Drops the engine from every adapter partition of the event's (tenant, model), or from
+    /// the event's own partition only when `scoped`.
+    fn clear(&mut self, ev: &Event, seen_us: i64, scoped: bool) -> Result<usize, SkipReason> {
         let Some(&eid) = self.engine_ids.get(ev.engine.as_str()) else {
             return Ok(0);
         };
         self.touch(eid, seen_us);
-        let slots = self.reached_slots(eid, ev, false);
+        let slots = self.reached_slots(eid, ev, scoped);
         // Entries of the cleared maps that live only in L2 come back first, so the drain
         // below sees every membership (their L2 rows go with the clear's range delete).
         for &slot in &slots {
