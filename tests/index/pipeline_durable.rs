@@ -193,3 +193,55 @@ async fn a_seek_back_on_a_real_broker_is_skipped_and_counted() {
     assert_eq!(service.metrics.applied_total(), applied);
     assert_eq!(fingerprint(&service.index, &queries, 16), before);
 }
+
+#[test]
+fn block_sizes_are_pinned_durably_and_conflicts_counted() {
+    use kvindex::event::{BlockContent, EngineHash, Event, EventKind, PartitionKey};
+    use kvindex::index::QueryBlocks;
+    let dir = tempfile::tempdir().unwrap();
+    let opts = DecodeSettings::from(&Config::default().source);
+    let tokens: Vec<u32> = (0..64).collect();
+    let stored = |engine: &str, block_size: u32| {
+        let mut ev = Event::new(EventKind::Stored, engine, PartitionKey::new("t", "m32", ""));
+        let blocks = 64 / block_size as usize;
+        ev.block_hashes = (0..blocks as u64).map(EngineHash).collect();
+        ev.content = BlockContent::Tokens {
+            token_ids: tokens.clone(),
+            block_size,
+        };
+        ev
+    };
+    let message = |offset: i64, ev: &Event| Message {
+        partition: 0,
+        offset,
+        payload: encode::to_proto(std::slice::from_ref(ev)),
+        ..Message::default()
+    };
+    {
+        let service = Service::open(config(dir.path()), None).unwrap();
+        let p = &service.pipeline;
+        // 32-token blocks first; then another engine of the same model says 16.
+        let batch = [message(0, &stored("a", 32)), message(1, &stored("b", 16))];
+        p.ingest_batch(SOURCE, &batch, &opts).unwrap();
+        assert!(p.persist());
+        assert_eq!(service.index.block_size("t", "m32"), Some(32), "the first size is pinned");
+        assert_eq!(service.index.block_size_conflicts(), 1);
+        let page = service.metrics.render(&service.index.stats());
+        assert!(page.contains("kvindex_block_size_conflicts_total 1"), "{page}");
+    }
+    // After a restart the pin is back before any event arrives: a token lookup that names no
+    // block size is keyed as before.
+    let service = Service::open(config(dir.path()), None).unwrap();
+    assert_eq!(service.index.block_size("t", "m32"), Some(32));
+    let (_, rows) = service.index.lookup(
+        &PartitionKey::new("t", "m32", ""),
+        &QueryBlocks::Tokens {
+            token_ids: tokens.clone(),
+            block_size: service.index.block_size("t", "m32").unwrap(),
+        },
+    );
+    assert!(rows.iter().any(|r| r.engine_id == "a" && r.matched_blocks == 2), "{rows:?}");
+    let stats = service.index.stats();
+    assert_eq!(stats.block_sizes.len(), 1);
+    assert_eq!(stats.block_sizes[0].block_size, 32);
+}
