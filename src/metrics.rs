@@ -35,6 +35,8 @@ pub struct Metrics {
     pub commits: AtomicU64,
     pub commit_failures: AtomicU64,
     commit_sum_ns: AtomicU64,
+    /// Engines cleared because no event reached them for `index.engine_ttl_s`.
+    pub engines_expired: AtomicU64,
     /// The source partitions as last published by the ingest loop.
     sources: Mutex<Vec<SourceGauge>>,
 }
@@ -90,6 +92,10 @@ impl Metrics {
 
     pub fn count_malformed(&self, reason: &'static str) {
         *self.malformed.lock().entry(reason).or_default() += 1;
+    }
+
+    pub fn count_engine_expired(&self) {
+        self.engines_expired.fetch_add(1, Relaxed);
     }
 
     pub fn count_skipped(&self, reason: &'static str) {
@@ -227,6 +233,17 @@ impl Metrics {
             write_family(&mut out, name, "counter", help);
             let _ = writeln!(out, "{name} {value}");
         }
+        write_family(
+            &mut out,
+            "kvindex_engines_expired_total",
+            "counter",
+            "Engines cleared because no event reached them for index.engine_ttl_s.",
+        );
+        let _ = writeln!(
+            out,
+            "kvindex_engines_expired_total {}",
+            self.engines_expired.load(Relaxed)
+        );
         write_family(
             &mut out,
             "kvindex_block_size_conflicts_total",

@@ -15,7 +15,7 @@ use crate::index::Index;
 use crate::index::IndexSettings;
 use crate::ingest::{Ingest, IngestContext, SourceReport};
 use crate::metrics::Metrics;
-use crate::pipeline::{CommitSettings, Pipeline, Progress, Spill};
+use crate::pipeline::{CommitSettings, Liveness, Pipeline, Progress, Spill};
 use crate::source::{
     Checkpoints, EmbeddedBroker, KafkaSettings, NatsSettings, SourceError, SourceSpec, kafka,
 };
@@ -138,6 +138,7 @@ impl Service {
             }
         }
         let metrics = Arc::new(Metrics::new());
+        let ready = Arc::new(AtomicBool::new(false));
         let pipeline = Arc::new(Pipeline::start(
             index.clone(),
             metrics.clone(),
@@ -145,6 +146,10 @@ impl Service {
             progress,
             CommitSettings::from(&config.checkpoint),
             &spill,
+            Liveness {
+                ttl: config.index.engine_ttl(),
+                ready: ready.clone(),
+            },
         ));
         let load_time = started.elapsed();
         tracing::info!(
@@ -164,7 +169,7 @@ impl Service {
             store,
             pipeline,
             spill,
-            ready: Arc::new(AtomicBool::new(false)),
+            ready,
             loaded,
             load_time,
         })

@@ -19,6 +19,11 @@ pub enum ApiError {
     NotFound { method: Method, path: String },
     #[error("method {method} is not allowed for {path}")]
     MethodNotAllowed { method: Method, path: String },
+    #[error("engine `{0}` is not in the index")]
+    UnknownEngine(String),
+    /// The server cannot do this (e.g. a read-only state without a pipeline).
+    #[error("{0}")]
+    Unavailable(String),
 }
 
 impl ApiError {
@@ -32,6 +37,8 @@ impl ApiError {
             ApiError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::NotFound { .. } => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
+            ApiError::UnknownEngine(_) => StatusCode::NOT_FOUND,
+            ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
 }

@@ -13,13 +13,13 @@ use crate::bridge::BridgeStats;
 use crate::index::Index;
 use crate::ingest::{SourceReport, SourceStatus};
 use crate::metrics::Metrics;
-use crate::pipeline::Spill;
+use crate::pipeline::{Pipeline, Spill};
 use crate::service::Service;
 use axum::Router;
 use axum::extract::{DefaultBodyLimit, Request};
 use axum::middleware::{self, Next};
 use axum::response::Response;
-use axum::routing::{get, post};
+use axum::routing::{delete, get, post};
 use axum::serve::ListenerExt;
 use std::future::Future;
 use std::sync::Arc;
@@ -38,6 +38,7 @@ pub const DEFAULT_BLOCK_SIZE: u32 = 0;
 pub const ROUTES: &[(&str, &str)] = &[
     ("POST", "/v1/lookup"),
     ("GET", "/v1/engines"),
+    ("DELETE", "/v1/engines/{id}"),
     ("GET", "/v1/stats"),
     ("GET", "/healthz"),
     ("GET", "/readyz"),
@@ -64,6 +65,8 @@ pub struct AppState {
     /// The engine bridge's streams, for `/v1/stats` (`bridge`), `/v1/engines` and `/metrics`
     /// (`None`: no bridge runs in this process).
     pub bridge: Option<BridgeStats>,
+    /// The shard workers, for `DELETE /v1/engines/{id}` (`None`: a read-only state, 503).
+    pub pipeline: Option<Arc<Pipeline>>,
 }
 
 impl AppState {
@@ -79,6 +82,7 @@ impl AppState {
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             spill: None,
             bridge: None,
+            pipeline: None,
         }
     }
 
@@ -89,6 +93,7 @@ impl AppState {
         state.default_block_size = service.config.index.default_block_size;
         state.max_body_bytes = service.config.http.max_body_bytes;
         state.spill = Some(service.spill.clone());
+        state.pipeline = Some(service.pipeline.clone());
         state.sources = sources;
         state
     }
@@ -119,6 +124,7 @@ pub fn router(state: AppState) -> Router {
     Router::new()
         .route("/v1/lookup", post(lookup::lookup))
         .route("/v1/engines", get(stats::engines))
+        .route("/v1/engines/{id}", delete(stats::forget_engine))
         .route("/v1/stats", get(stats::stats))
         .route("/healthz", get(health::healthz))
         .route("/readyz", get(health::readyz))

@@ -3,13 +3,14 @@
 //! state of each engine it follows).
 
 use super::AppState;
+use super::error::ApiError;
 use crate::bridge::StreamReport;
 use crate::event::{PartitionKey, Tier, engine_id};
 use crate::index::{EngineInfo, PinnedSize};
 use crate::ingest::SourceStatus;
 use crate::spill::SpillStats;
 use axum::Json;
-use axum::extract::State;
+use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Response};
 use serde::{Serialize, Serializer};
 use std::collections::{BTreeMap, BTreeSet};
@@ -110,6 +111,24 @@ pub async fn engines(State(state): State<AppState>) -> Response {
     }));
     rows.sort_by(|a, b| a.engine_id.cmp(b.engine_id));
     Json(&EnginesResponse { engines: rows }).into_response()
+}
+
+/// `DELETE /v1/engines/{id}`: drops the engine from every partition, durably (committed
+/// before the answer), on an operator's word; it comes back with its next event.
+pub async fn forget_engine(State(state): State<AppState>, Path(id): Path<String>) -> Response {
+    let Some(pipeline) = state.pipeline.clone() else {
+        return ApiError::Unavailable("this server has no index to change".into()).into_response();
+    };
+    let engine = id.clone();
+    match tokio::task::spawn_blocking(move || pipeline.forget_engine(&engine)).await {
+        Ok(Some(removed)) => {
+            tracing::info!(engine = %id, memberships = removed, "engine cleared on request");
+            Json(serde_json::json!({"engine_id": id, "memberships_removed": removed}))
+                .into_response()
+        }
+        Ok(None) => ApiError::UnknownEngine(id).into_response(),
+        Err(e) => ApiError::Unavailable(format!("clearing the engine failed: {e}")).into_response(),
+    }
 }
 
 #[derive(Serialize)]

@@ -278,6 +278,9 @@ pub struct IndexConfig {
     /// Block size assumed for token lookups of a (tenant, model) no event has told us about;
     /// 0 = none (such a lookup is a 400 that says so).
     pub default_block_size: u32,
+    /// An engine no event has reached for this many seconds (kvindex's clock, once the
+    /// sources have caught up) is cleared durably; 0 = never.
+    pub engine_ttl_s: u64,
     /// L1 memory budget.
     pub l1_max_bytes: u64,
     /// Fraction of `l1_max_bytes` at which write-back eviction starts ...
@@ -396,6 +399,7 @@ impl Default for IndexConfig {
             shards: 0,
             seed: 0x6b76_696e_6465_7831,
             default_block_size: 0,
+            engine_ttl_s: 0,
             l1_max_bytes: 1 << 30,
             high_watermark: 0.8,
             low_watermark: 0.6,
@@ -482,6 +486,13 @@ impl KafkaConfig {
                 format!("invalid start `{}`", self.start),
             )
         })
+    }
+}
+
+impl IndexConfig {
+    /// `engine_ttl_s` as a duration; `None` when off.
+    pub fn engine_ttl(&self) -> Option<std::time::Duration> {
+        (self.engine_ttl_s > 0).then(|| std::time::Duration::from_secs(self.engine_ttl_s))
     }
 }
 

@@ -43,7 +43,7 @@ pub mod worker;
 
 pub use progress::Progress;
 pub use spill::{ShardSpill, Spill};
-pub use worker::CommitSettings;
+pub use worker::{CommitSettings, Liveness};
 
 use crate::event::{DecodeSettings, Decoded, Envelope, Event, EventKind, decode_payload};
 use crate::index::{Index, Observed, SkipReason};
@@ -86,6 +86,9 @@ enum Msg {
     Persist(Sender<bool>),
     /// Forget a source partition's floor (its checkpoint was abandoned).
     Forget(PartId, Sender<()>),
+    /// Drop an engine from the shard; answered with the memberships removed (`None`: the
+    /// shard does not know it).
+    ForgetEngine(String, Sender<Option<u64>>),
 }
 
 /// Where a payload came from, for logs of what could not be decoded.
@@ -128,6 +131,7 @@ impl Pipeline {
         progress: Arc<Progress>,
         commits: CommitSettings,
         spill: &Spill,
+        liveness: Liveness,
     ) -> Pipeline {
         let mut senders = Vec::new();
         let mut workers = Vec::new();
@@ -141,6 +145,7 @@ impl Pipeline {
                 progress: progress.clone(),
                 commits,
                 closing: closing.clone(),
+                liveness: liveness.clone(),
             };
             let mut worker = Worker::new(shard, ctx, spill.for_shard(shard));
             let handle = std::thread::Builder::new()
@@ -356,6 +361,17 @@ impl Pipeline {
             .count();
         drop(tx);
         rx.iter().take(pending).collect()
+    }
+
+    /// Drops `engine` from the index on an operator's word (`DELETE /v1/engines/{id}`), as an
+    /// `ALL_CLEARED` of every (tenant, model) it stored into, through its shards, committed
+    /// before this returns: the memberships removed, or `None` if no shard knows it. The
+    /// engine comes back with its next event.
+    pub fn forget_engine(&self, engine: &str) -> Option<u64> {
+        let replies = self.broadcast(|ack| Msg::ForgetEngine(engine.to_string(), ack));
+        let removed = replies.into_iter().flatten().reduce(|a, b| a + b);
+        self.persist();
+        removed
     }
 
     /// Abandons the checkpoint of (source, partition): everything applied is committed, every

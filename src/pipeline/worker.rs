@@ -66,6 +66,17 @@ pub(super) struct WorkerContext {
     pub commits: CommitSettings,
     /// The pipeline's [`close`](super::Pipeline::close) flag.
     pub closing: Arc<AtomicBool>,
+    pub liveness: Liveness,
+}
+
+/// When silent engines are forgotten (`index.engine_ttl_s`).
+#[derive(Clone, Debug, Default)]
+pub struct Liveness {
+    /// An engine no event has reached for this long is cleared (`None`: never).
+    pub ttl: Option<Duration>,
+    /// The service's readiness (sources caught up): before it, a backlog being replayed is
+    /// not silence, so nothing expires.
+    pub ready: Arc<AtomicBool>,
 }
 
 /// One shard's worker: applies its share of every batch, skips duplicates, commits.
@@ -81,6 +92,9 @@ pub(super) struct Worker {
     commit_warnings: LogEvery,
     /// The shard's bounded-L1 duty.
     spill: ShardSpill,
+    /// When this worker started (engines loaded from disk count as heard then).
+    started_us: i64,
+    next_sweep: Instant,
 }
 
 impl Worker {
@@ -94,6 +108,8 @@ impl Worker {
             applied_since_commit: 0,
             commit_warnings: LogEvery::new(COMMIT_WARN_EVERY),
             spill,
+            started_us: now_us(),
+            next_sweep: Instant::now(),
         };
         // Floors restored from the store (Progress::restore) before the workers started.
         for id in 0..w.ctx.progress.len() as PartId {
@@ -147,6 +163,9 @@ impl Worker {
                     let ok = self.commit();
                     let _ = ack.send(ok);
                 }
+                Ok(Msg::ForgetEngine(engine, ack)) => {
+                    let _ = ack.send(self.forget_engine(&engine));
+                }
                 Ok(Msg::Forget(part, ack)) => {
                     *self.floor_mut(part) = NONE;
                     self.dirty.retain(|&p| p != part);
@@ -158,6 +177,7 @@ impl Worker {
                 Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) => break,
             }
+            self.expire_silent_engines();
             if Instant::now() >= self.next_commit
                 || self.applied_since_commit >= self.ctx.commits.max_events
             {
@@ -204,16 +224,63 @@ impl Worker {
         }
     }
 
-    fn apply_one(&self, shard: &mut Shard, ev: &Event, now: i64) {
+    /// Clears every engine of the shard that no event has reached for `index.engine_ttl_s`
+    /// (kvindex's clock), once the sources have caught up. The clears go through the shard
+    /// like any `ALL_CLEARED` and are durable with the next commit.
+    fn expire_silent_engines(&mut self) {
+        let Some(ttl) = self.ctx.liveness.ttl else {
+            return;
+        };
+        if Instant::now() < self.next_sweep || !self.ctx.liveness.ready.load(Relaxed) {
+            return;
+        }
+        self.next_sweep =
+            Instant::now() + (ttl / 10).clamp(Duration::from_secs(1), Duration::from_secs(60));
+        let cutoff = now_us().saturating_sub(i64::try_from(ttl.as_micros()).unwrap_or(i64::MAX));
+        let silent = self
+            .ctx
+            .index
+            .shard(self.shard)
+            .read()
+            .silent_engines(cutoff, self.started_us);
+        for engine in silent {
+            let removed = self.forget_engine(&engine).unwrap_or(0);
+            self.ctx.metrics.count_engine_expired();
+            tracing::info!(shard = self.shard, engine = %engine, memberships = removed, ttl_s = ttl.as_secs(), "engine silent past index.engine_ttl_s: cleared");
+        }
+    }
+
+    /// Drops `engine` from this shard (an `ALL_CLEARED` per (tenant, model) it stored into):
+    /// the memberships removed, or `None` if the shard does not know it.
+    fn forget_engine(&mut self, engine: &str) -> Option<u64> {
+        let index = self.ctx.index.clone();
+        let mut guard = index.shard(self.shard).write();
+        if !guard.knows_engine(engine) {
+            return None;
+        }
+        let now = now_us();
+        let events = guard.forget_events(engine);
+        let mut removed = 0;
+        for ev in &events {
+            removed += self.apply_one(&mut guard, ev, now) as u64;
+        }
+        self.applied_since_commit += events.len() as u64;
+        Some(removed)
+    }
+
+    /// Applies one event, counting it; returns the memberships it changed (0 if skipped).
+    fn apply_one(&self, shard: &mut Shard, ev: &Event, now: i64) -> usize {
         match shard.apply(ev, now) {
             Ok(ops) => {
                 if let Some(slot) = kind_slot(ev.kind) {
                     self.ctx.metrics.count_applied(slot, ops);
                 }
+                ops
             }
             Err(reason) => {
                 self.ctx.metrics.count_skipped(reason.reason());
                 tracing::warn!(shard = self.shard, engine = %ev.engine, model = %ev.partition.model, adapter = %ev.partition.adapter, reason = reason.reason(), error = %reason, "event not applied");
+                0
             }
         }
     }

@@ -224,10 +224,17 @@ fn block_sizes_are_pinned_durably_and_conflicts_counted() {
         let batch = [message(0, &stored("a", 32)), message(1, &stored("b", 16))];
         p.ingest_batch(SOURCE, &batch, &opts).unwrap();
         assert!(p.persist());
-        assert_eq!(service.index.block_size("t", "m32"), Some(32), "the first size is pinned");
+        assert_eq!(
+            service.index.block_size("t", "m32"),
+            Some(32),
+            "the first size is pinned"
+        );
         assert_eq!(service.index.block_size_conflicts(), 1);
         let page = service.metrics.render(&service.index.stats());
-        assert!(page.contains("kvindex_block_size_conflicts_total 1"), "{page}");
+        assert!(
+            page.contains("kvindex_block_size_conflicts_total 1"),
+            "{page}"
+        );
     }
     // After a restart the pin is back before any event arrives: a token lookup that names no
     // block size is keyed as before.
@@ -240,8 +247,88 @@ fn block_sizes_are_pinned_durably_and_conflicts_counted() {
             block_size: service.index.block_size("t", "m32").unwrap(),
         },
     );
-    assert!(rows.iter().any(|r| r.engine_id == "a" && r.matched_blocks == 2), "{rows:?}");
+    assert!(
+        rows.iter()
+            .any(|r| r.engine_id == "a" && r.matched_blocks == 2),
+        "{rows:?}"
+    );
     let stats = service.index.stats();
     assert_eq!(stats.block_sizes.len(), 1);
     assert_eq!(stats.block_sizes[0].block_size, 32);
+}
+
+#[test]
+fn an_engine_silent_past_the_ttl_is_cleared_durably_once_caught_up() {
+    use kvindex::event::{Event, EventKind, PartitionKey};
+    use kvindex::index::QueryBlocks;
+    let dir = tempfile::tempdir().unwrap();
+    let opts = DecodeSettings::from(&Config::default().source);
+    let mut cfg = config(dir.path());
+    cfg.index.engine_ttl_s = 1;
+    let partition = PartitionKey::new("", "m", "");
+    let tokens: Vec<u32> = (0..32).collect();
+    let stored = |engine: &str| {
+        crate::support::events::stored(engine, partition.clone())
+            .hashes([1, 2])
+            .tokens(tokens.clone(), 16)
+            .event()
+    };
+    let message = |offset: i64, ev: &Event| Message {
+        partition: 0,
+        offset,
+        payload: encode::to_proto(std::slice::from_ref(ev)),
+        ..Message::default()
+    };
+    let holders = |service: &Service| -> Vec<String> {
+        let (_, rows) = service.index.lookup(
+            &partition,
+            &QueryBlocks::Tokens {
+                token_ids: tokens.clone(),
+                block_size: 16,
+            },
+        );
+        let mut ids: Vec<String> = rows.iter().map(|r| r.engine_id.to_string()).collect();
+        ids.sort();
+        ids
+    };
+    {
+        let service = Service::open(cfg.clone(), None).unwrap();
+        let p = &service.pipeline;
+        p.ingest_batch(
+            SOURCE,
+            &[message(0, &stored("a")), message(1, &stored("b"))],
+            &opts,
+        )
+        .unwrap();
+        assert!(p.persist());
+        // Not caught up yet: a backlog is not silence, nothing expires.
+        std::thread::sleep(std::time::Duration::from_millis(1500));
+        p.flush();
+        assert_eq!(holders(&service), ["a", "b"]);
+        // Caught up: `b` keeps talking, `a` stays silent past the TTL.
+        service.ready.store(true, Relaxed);
+        let mut offset = 2;
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while holders(&service) != ["b"] {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "a never expired: {:?}",
+                holders(&service)
+            );
+            let heartbeat = Event::new(EventKind::ReplicaUpdated, "b", partition.clone());
+            p.ingest_batch(SOURCE, &[message(offset, &heartbeat)], &opts)
+                .unwrap();
+            offset += 1;
+            std::thread::sleep(std::time::Duration::from_millis(200));
+        }
+        assert_eq!(service.metrics.engines_expired.load(Relaxed), 1);
+        assert!(p.persist());
+        // And on an operator's word: `b` is dropped at once.
+        assert_eq!(p.forget_engine("b"), Some(2));
+        assert_eq!(p.forget_engine("nobody"), None);
+        assert!(holders(&service).is_empty());
+    }
+    // Durable: after a restart neither comes back.
+    let service = Service::open(cfg, None).unwrap();
+    assert!(holders(&service).is_empty(), "{:?}", holders(&service));
 }

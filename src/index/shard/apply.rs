@@ -14,6 +14,7 @@ impl Shard {
     /// Applies one event routed to this shard; returns the memberships it added or removed.
     /// `now_us` stamps liveness when the event carries no timestamp.
     pub fn apply(&mut self, ev: &Event, now_us: i64) -> Result<usize, SkipReason> {
+        self.clock_us = now_us;
         let seen = if ev.timestamp_us > 0 {
             ev.timestamp_us
         } else {

@@ -12,7 +12,9 @@
 //! - `lookup.rs`: the longest-prefix walk;
 //! - `persist.rs`: change tracking for commits, and the restore calls of a reload;
 //! - `spill.rs`: reading through to L2 (faults, restores, durable ids);
-//! - `evict.rs`: what the spill controller calls (costs, coldest entries, conditional removal).
+//! - `evict.rs`: what the spill controller calls (costs, coldest entries, conditional removal);
+//! - `liveness.rs`: which engines have gone silent, and forgetting an engine.
+mod liveness;
 
 mod apply;
 mod blocks;
@@ -122,6 +124,9 @@ pub struct EngineState {
     /// Shared so lookup answers can name engines without copying strings.
     pub name: Arc<str>,
     pub last_seen_us: i64,
+    /// When kvindex last applied an event of this engine, by its own clock (0: not since this
+    /// process loaded it). Liveness goes by this, never by producers' timestamps.
+    pub heard_us: i64,
     /// Memberships held, by tier (`Tier as usize`).
     pub tier_counts: [u64; 3],
     /// Per partition the engine stored into: its engine hash → block key map. This resolves
@@ -171,6 +176,8 @@ pub struct Shard {
     spill: Option<Box<SpillState>>,
     /// Shard-local ↔ durable (store-wide) engine and partition ids, to read and write L2 rows.
     durable: DurableIds,
+    /// kvindex's clock at the event being applied (see [`EngineState::heard_us`]).
+    clock_us: i64,
 }
 
 impl Shard {
@@ -188,12 +195,14 @@ impl Shard {
             changes: None,
             spill: None,
             durable: DurableIds::default(),
+            clock_us: 0,
         }
     }
 
     fn touch(&mut self, eid: EngineIdx, seen_us: i64) {
         let e = &mut self.engines[eid as usize];
         e.last_seen_us = e.last_seen_us.max(seen_us);
+        e.heard_us = e.heard_us.max(self.clock_us);
         // Every event that reaches an engine touches it, and every change of its partition list
         // (a new map, a clear) comes with an event of it: marking here covers both.
         if let Some(c) = self.changes.as_deref_mut() {
