@@ -235,6 +235,17 @@ impl Metrics {
         }
         write_family(
             &mut out,
+            "kvindex_producer_seq_regressions_total",
+            "counter",
+            "Events whose producer seq was below the highest applied for their engine.",
+        );
+        let _ = writeln!(
+            out,
+            "kvindex_producer_seq_regressions_total {}",
+            index.seq_regressions
+        );
+        write_family(
+            &mut out,
             "kvindex_engines_expired_total",
             "counter",
             "Engines cleared because no event reached them for index.engine_ttl_s.",

@@ -51,6 +51,8 @@ pub struct EngineRow<'a> {
     /// Distinct adapter names of `partitions` (`""` is the base model), sorted.
     pub adapters: Vec<&'a str>,
     pub last_seen_us: i64,
+    /// Events whose producer `seq` went below the highest applied for the engine.
+    pub seq_regressions: u64,
     /// The bridge's stream feeding this engine (engine and rank), when a bridge runs here.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub bridge: Option<StreamReport>,
@@ -71,6 +73,7 @@ impl<'a> From<&'a EngineInfo> for EngineRow<'a> {
             partitions: e.partitions.iter().map(Partition::from).collect(),
             adapters: adapters.into_iter().collect(),
             last_seen_us: e.last_seen_us,
+            seq_regressions: e.seq_regressions,
             bridge: None,
         }
     }
@@ -107,6 +110,7 @@ pub async fn engines(State(state): State<AppState>) -> Response {
         partitions: Vec::new(),
         adapters: Vec::new(),
         last_seen_us: 0,
+        seq_regressions: 0,
         bridge: Some(stream.clone()),
     }));
     rows.sort_by(|a, b| a.engine_id.cmp(b.engine_id));

@@ -145,6 +145,8 @@ pub struct EngineInfo {
     /// (tenant, model, adapter) partitions the engine stored into.
     pub partitions: BTreeSet<PartitionKey>,
     pub last_seen_us: i64,
+    /// Events whose producer `seq` went below the highest applied for the engine.
+    pub seq_regressions: u64,
 }
 
 /// The L1 side of one shard: what counts against its share of `l1_max_bytes`.
@@ -168,6 +170,8 @@ pub struct IndexStats {
     pub block_sizes: Vec<PinnedSize>,
     /// Events whose block size conflicted with their model's pin.
     pub block_size_conflicts: u64,
+    /// Events whose producer `seq` went below their engine's highest applied one.
+    pub seq_regressions: u64,
 }
 
 /// The sharded in-memory index. Cheap to share behind an `Arc`.
@@ -386,6 +390,11 @@ impl Index {
             stats.block_entries += shard.blocks();
             stats.memberships += shard.memberships();
             stats.l1_bytes += shard.memory_bytes();
+            stats.seq_regressions += shard
+                .engines()
+                .iter()
+                .map(|e| e.seq_regressions)
+                .sum::<u64>();
             for p in shard.partitions() {
                 let e = partitions
                     .entry(p.key.clone())
@@ -424,6 +433,7 @@ impl Index {
                         .map(|p| shard.partitions()[p as usize].key.clone()),
                 );
                 info.last_seen_us = info.last_seen_us.max(e.last_seen_us);
+                info.seq_regressions += e.seq_regressions;
             }
         }
         merged.into_values().collect()

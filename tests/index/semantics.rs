@@ -582,3 +582,22 @@ fn adapter_cleared_drops_the_engine_from_its_own_partition_only() {
         assert_eq!(lookup(&index, &part("chat"), 1, 3), rows(&[("e", 3)]));
     }
 }
+
+#[test]
+fn producer_seq_regressions_are_counted_per_engine() {
+    for index in indexes() {
+        for seq in [5, 6, 4, 7, 7, 0, 3] {
+            let mut ev = store("e", part(""), 1, 0, 1, Tier::Gpu);
+            ev.seq = seq;
+            apply(&index, &ev);
+        }
+        // 4 and 3 went below 6 / 7; a repeated 7 (one seq per batch) and 0 (none) do not count.
+        let e = index
+            .engines()
+            .into_iter()
+            .find(|e| e.engine_id == "e")
+            .unwrap();
+        assert_eq!(e.seq_regressions, 2);
+        assert_eq!(index.stats().seq_regressions, 2);
+    }
+}

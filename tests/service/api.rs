@@ -577,6 +577,7 @@ async fn engines_stats_and_probes() {
             ],
             "adapters": ["", "x"],
             "last_seen_us": NOW,
+            "seq_regressions": 0,
         })
     );
     assert_eq!(

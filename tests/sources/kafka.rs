@@ -460,6 +460,9 @@ async fn ahead_of_log_stops_the_partition_or_resets() {
     only0.insert(1, (0, 0));
     assert_exact(&msgs, &BTreeMap::new(), &only0);
     assert_eq!(src.divergences_total(), 0);
+    // And the caller is told to forget what it applied of the old log, so the new log's
+    // messages (whose offsets start over) are not skipped as duplicates.
+    assert_eq!(src.take_resets(), vec![0]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

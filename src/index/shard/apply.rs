@@ -15,6 +15,9 @@ impl Shard {
     /// `now_us` stamps liveness when the event carries no timestamp.
     pub fn apply(&mut self, ev: &Event, now_us: i64) -> Result<usize, SkipReason> {
         self.clock_us = now_us;
+        if ev.seq > 0 {
+            self.note_seq(ev);
+        }
         let seen = if ev.timestamp_us > 0 {
             ev.timestamp_us
         } else {
@@ -31,6 +34,19 @@ impl Shard {
                 Ok(0)
             }
             EventKind::Unknown(t) => Err(SkipReason::UnknownType(t)),
+        }
+    }
+
+    /// Counts an event whose producer `seq` is below the highest applied for its engine. A
+    /// producer may give a whole batch one seq, so only a strictly lower one counts.
+    fn note_seq(&mut self, ev: &Event) {
+        if let Some(&eid) = self.engine_ids.get(ev.engine.as_str()) {
+            let e = &mut self.engines[eid as usize];
+            if ev.seq < e.last_seq {
+                e.seq_regressions += 1;
+            } else {
+                e.last_seq = ev.seq;
+            }
         }
     }
 

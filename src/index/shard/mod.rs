@@ -127,6 +127,10 @@ pub struct EngineState {
     /// When kvindex last applied an event of this engine, by its own clock (0: not since this
     /// process loaded it). Liveness goes by this, never by producers' timestamps.
     pub heard_us: i64,
+    /// Highest producer `seq` applied in this process (0: none), and the events whose `seq`
+    /// went below it (reordered or replayed by the producer; in memory only).
+    pub last_seq: u64,
+    pub seq_regressions: u64,
     /// Memberships held, by tier (`Tier as usize`).
     pub tier_counts: [u64; 3],
     /// Per partition the engine stored into: its engine hash → block key map. This resolves

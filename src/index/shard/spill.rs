@@ -419,12 +419,18 @@ impl Shard {
         Ok(())
     }
 
-    /// Blocks lookups found only in L2 since the last call (`restore_on_read`).
+    /// Blocks lookups found only in L2 since the last call (`restore_on_read`), each once.
     pub fn take_promotions(&self) -> Vec<u64> {
-        self.spill
+        let mut keys = self
+            .spill
             .as_deref()
             .map(|t| std::mem::take(&mut *t.promote.lock()))
-            .unwrap_or_default()
+            .unwrap_or_default();
+        // A hot query reads the same L2 blocks again and again: each key once (first read
+        // first), so the restore's cost (and any room made for it) is what it really needs.
+        let mut seen = hashbrown::HashSet::with_capacity(keys.len());
+        keys.retain(|k| seen.insert(*k));
+        keys
     }
 
     /// Brings `keys` back into L1 from L2 (those L1 lacks); returns how many came back.

@@ -93,6 +93,9 @@ impl Shared {
                          partitions restart at the log start (logged once)"
                     );
                 }
+                // The new log's offsets start over: what the shards applied of the old one
+                // must not make them skip the new one's messages as duplicates.
+                st.resets.push(partition);
                 Resolution::At(low)
             }
             _ if self.reset_on_divergence => {
