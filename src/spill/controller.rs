@@ -20,9 +20,11 @@
 //! (backpressure). Events are never dropped.
 //!
 //! # `write_back_on_evict = false`
-//! Evicted entries are then *discarded*, dirty or not: the index becomes lossy (a block
-//! forgotten until some engine reports it again) but never blocks on L2. Config validation
-//! refuses `emergency_evict_for_restore` in that mode (it would discard to make room).
+//! Eviction then never writes: only entries the last checkpoint commit made durable (clean)
+//! leave L1; dirty ones wait for the next commit (`checkpoint.interval_ms`) to write them. So
+//! eviction never blocks on L2, and nothing is ever discarded: a dirty entry dropped unwritten
+//! would leave L2's older row to be read back, serving an engine for a block it had evicted.
+//! Config validation refuses `emergency_evict_for_restore` in that mode (it must write).
 //!
 //! # Periodic backup flush
 //! Every `periodic_flush_interval` the controller copies up to `flush_max_entries` dirty entries
@@ -497,15 +499,19 @@ impl<L: SpillL1, S: L2Sink> SpillController<L, S> {
         victims: Vec<Resident<L::Key>>,
         deadline: Instant,
     ) -> Result<BatchOutcome, Stop> {
+        let victims = if self.settings.write_back_on_evict {
+            victims
+        } else {
+            let (clean, dirty): (Vec<_>, Vec<_>) =
+                victims.into_iter().partition(|v| v.dirty.is_none());
+            SpillMetrics::add(&self.metrics.entries_awaiting_commit, dirty.len());
+            clean
+        };
         let (rows, stamps) = split(victims);
         let mut outcome = BatchOutcome::default();
         if !rows.is_empty() {
-            if self.settings.write_back_on_evict {
-                self.write(&rows, deadline)?;
-                outcome.written = rows.len();
-            } else {
-                SpillMetrics::add(&self.metrics.entries_discarded, rows.len());
-            }
+            self.write(&rows, deadline)?;
+            outcome.written = rows.len();
         }
         outcome.removal = self.l1.remove_if_unchanged(&stamps);
         SpillMetrics::add(&self.metrics.entries_evicted, outcome.removal.removed);

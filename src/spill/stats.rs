@@ -18,8 +18,9 @@ pub struct SpillMetrics {
     pub entries_written: AtomicU64,
     /// Entries removed from L1 after their batch was durable (or clean already).
     pub entries_evicted: AtomicU64,
-    /// Dirty entries dropped without a write because `write_back_on_evict = false`.
-    pub entries_discarded: AtomicU64,
+    /// Cold dirty entries eviction left in L1 for the next commit to write
+    /// (`write_back_on_evict = false`).
+    pub entries_awaiting_commit: AtomicU64,
     /// Entries left in L1 because they changed while their batch was in flight.
     pub entries_kept_changed: AtomicU64,
     /// Real write failures (including partial writes); these drive the breaker.
@@ -59,7 +60,7 @@ pub struct SpillStats {
     pub batches: u64,
     pub entries_written: u64,
     pub entries_evicted: u64,
-    pub entries_discarded: u64,
+    pub entries_awaiting_commit: u64,
     pub entries_kept_changed: u64,
     pub failures: u64,
     pub partial_failures: u64,
@@ -93,7 +94,7 @@ impl SpillStats {
             batches: m.batches.load(Relaxed),
             entries_written: m.entries_written.load(Relaxed),
             entries_evicted: m.entries_evicted.load(Relaxed),
-            entries_discarded: m.entries_discarded.load(Relaxed),
+            entries_awaiting_commit: m.entries_awaiting_commit.load(Relaxed),
             entries_kept_changed: m.entries_kept_changed.load(Relaxed),
             failures: m.failures.load(Relaxed),
             partial_failures: m.partial_failures.load(Relaxed),
@@ -179,9 +180,9 @@ impl SpillStats {
                 self.entries_evicted,
             ),
             (
-                "entries_discarded",
-                "Dirty entries dropped unwritten (write_back_on_evict = false).",
-                self.entries_discarded,
+                "entries_awaiting_commit",
+                "Cold dirty entries left in L1 for the next commit (write_back_on_evict = false).",
+                self.entries_awaiting_commit,
             ),
             (
                 "entries_kept_changed",

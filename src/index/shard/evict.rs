@@ -228,7 +228,8 @@ impl Shard {
     }
 
     /// Drops each entry whose stamp still equals `version`; its dirty mark goes with it (the
-    /// controller wrote its row first, or discards it with `write_back_on_evict = false`).
+    /// controller wrote its row first; with `write_back_on_evict = false` it offers clean
+    /// entries only).
     pub fn evict_if_unchanged(&mut self, victims: &[Stamp<L1Key>]) -> Removal {
         let mut r = Removal::default();
         // The victims were last touched before their batch went to RocksDB, so their slots
