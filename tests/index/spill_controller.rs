@@ -594,7 +594,7 @@ fn write_back_off_evicts_only_what_a_commit_made_durable() {
     assert!(rig.ctl().stats().entries_awaiting_commit > 0);
     // Once a commit has made them durable (clean), eviction drops them without writing.
     for i in 0..500 {
-        rig.l1.insert_clean(&key(i), &vec![i as u8; 100]);
+        rig.l1.insert_clean(&key(i), &[i as u8; 100]);
     }
     let r = rig.ctl().evict();
     assert_eq!((r.written, r.stopped), (0, None));
