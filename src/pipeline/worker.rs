@@ -349,7 +349,11 @@ impl Worker {
                 true
             }
             Err(e) => {
-                permit.failed();
+                if e.is_transient() {
+                    permit.timed_out();
+                } else {
+                    permit.failed();
+                }
                 self.spill.count_commit(true, false);
                 lock.write().requeue_changes(&changes);
                 self.ctx.metrics.count_commit_failure();

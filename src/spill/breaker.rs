@@ -139,6 +139,11 @@ struct Inner {
     open_until: Option<Instant>,
     /// A permit is out while half-open, so no second write piles onto a sick L2.
     probing: bool,
+    /// Bumped by every counted failure and every close. A permit remembers the generation it
+    /// was taken in: failures of writes that ran *together* (several shards hit by one disk
+    /// hiccup) count once, and a success of a write taken before a failure was counted does
+    /// not close the breaker.
+    generation: u64,
 }
 
 /// The L2 circuit breaker. Share it by `Arc` when several shards write to the same L2: one sick
@@ -175,14 +180,14 @@ impl CircuitBreaker {
         let now = self.clock.now();
         let mut inner = self.inner.lock();
         match state_at(&inner, now) {
-            BreakerState::Closed => Ok(Permit::new(self, false)),
+            BreakerState::Closed => Ok(Permit::new(self, false, inner.generation)),
             BreakerState::Open => Err(Rejected::Open {
                 retry_in: remaining(&inner, now),
             }),
             BreakerState::HalfOpen if inner.probing => Err(Rejected::ProbeInFlight),
             BreakerState::HalfOpen => {
                 inner.probing = true;
-                Ok(Permit::new(self, true))
+                Ok(Permit::new(self, true, inner.generation))
             }
         }
     }
@@ -206,26 +211,38 @@ impl CircuitBreaker {
         }
     }
 
-    fn on_success(&self) {
+    fn on_success(&self, generation: u64) {
         let mut inner = self.inner.lock();
+        if generation != inner.generation {
+            // Taken before a failure was counted: says nothing about L2 now.
+            return;
+        }
         if inner.consecutive_failures > 0 {
             tracing::info!(
                 after_failures = inner.consecutive_failures,
                 "L2 write succeeded; circuit breaker closed"
             );
         }
-        *inner = Inner::default();
+        *inner = Inner {
+            generation: inner.generation + 1,
+            ..Inner::default()
+        };
     }
 
-    fn on_failure(&self, probe: bool) {
+    fn on_failure(&self, probe: bool, generation: u64) {
         let now = self.clock.now();
         let mut inner = self.inner.lock();
-        inner.consecutive_failures = inner.consecutive_failures.saturating_add(1);
-        let backoff = backoff_for(inner.consecutive_failures);
-        inner.open_until = Some(now + backoff);
         if probe {
             inner.probing = false;
         }
+        if generation != inner.generation {
+            // Ran together with a write whose failure is already counted.
+            return;
+        }
+        inner.generation += 1;
+        inner.consecutive_failures = inner.consecutive_failures.saturating_add(1);
+        let backoff = backoff_for(inner.consecutive_failures);
+        inner.open_until = Some(now + backoff);
         tracing::warn!(
             consecutive_failures = inner.consecutive_failures,
             backoff_s = backoff.as_secs(),
@@ -262,14 +279,17 @@ pub struct Permit<'a> {
     breaker: &'a CircuitBreaker,
     /// This is the single half-open probe (its outcome must clear `probing`).
     probe: bool,
+    /// The breaker's generation when the permit was taken.
+    generation: u64,
     reported: bool,
 }
 
 impl<'a> Permit<'a> {
-    fn new(breaker: &'a CircuitBreaker, probe: bool) -> Permit<'a> {
+    fn new(breaker: &'a CircuitBreaker, probe: bool, generation: u64) -> Permit<'a> {
         Permit {
             breaker,
             probe,
+            generation,
             reported: false,
         }
     }
@@ -282,13 +302,13 @@ impl<'a> Permit<'a> {
     /// The write is durable: the breaker closes and the failure count resets.
     pub fn succeeded(mut self) {
         self.reported = true;
-        self.breaker.on_success();
+        self.breaker.on_success(self.generation);
     }
 
     /// The write really failed: one more consecutive failure, and a longer pause.
     pub fn failed(mut self) {
         self.reported = true;
-        self.breaker.on_failure(self.probe);
+        self.breaker.on_failure(self.probe, self.generation);
     }
 
     /// The write ran out of its deadline: the breaker's state does not change.
@@ -319,6 +339,30 @@ mod tests {
 
     fn fail_once(b: &CircuitBreaker) {
         b.try_acquire().expect("write allowed").failed();
+    }
+
+    #[test]
+    fn writes_that_fail_together_count_once_and_an_older_success_does_not_close() {
+        let (clock, b) = breaker();
+        // Three shards' writes in flight when the disk hiccups.
+        let permits: Vec<_> = (0..3).map(|_| b.try_acquire().unwrap()).collect();
+        let late = b.try_acquire().unwrap();
+        for p in permits {
+            p.failed();
+        }
+        let s = b.snapshot();
+        assert_eq!(s.consecutive_failures, 1, "one hiccup, not three failures");
+        assert_eq!(s.backoff, Duration::from_secs(2));
+        // A write taken before the failure was counted, succeeding late, proves nothing.
+        late.succeeded();
+        assert_eq!(b.snapshot().state, BreakerState::Open);
+        // The half-open probe's outcome does count.
+        clock.advance(Duration::from_secs(2));
+        b.try_acquire().expect("probe").failed();
+        assert_eq!(b.snapshot().consecutive_failures, 2);
+        clock.advance(Duration::from_secs(4));
+        b.try_acquire().expect("probe").succeeded();
+        assert_eq!(b.snapshot().state, BreakerState::Closed);
     }
 
     #[test]

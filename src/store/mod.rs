@@ -93,6 +93,14 @@ pub enum StoreError {
     },
 }
 
+impl StoreError {
+    /// RocksDB was busy or ran out of time (a write stall, `no_slowdown`): no verdict on the
+    /// store's health, so the breaker treats it like a deadline, not a failure.
+    pub fn is_transient(&self) -> bool {
+        matches!(self, StoreError::Rocks(e) if !l2::l2_error(e.clone()).is_failure())
+    }
+}
+
 /// How to open a [`Store`].
 #[derive(Clone, Debug)]
 pub struct StoreSettings {
