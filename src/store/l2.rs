@@ -197,7 +197,9 @@ impl Store {
                 None => batch.delete_cf(cf, key),
             }
         }
-        self.db.write_opt(batch, &self.write_opts).map_err(l2_error)
+        self.db
+            .write_opt(batch, &self.writeback_opts)
+            .map_err(l2_error)
     }
 }
 

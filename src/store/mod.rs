@@ -133,6 +133,11 @@ pub struct Store {
     path: PathBuf,
     shards: u16,
     write_opts: WriteOptions,
+    /// Write-back batches: as `write_opts`, plus `no_slowdown`, so a RocksDB write stall fails
+    /// the batch at once (`Incomplete`, counted as busy, not as a failure) instead of parking
+    /// the shard's worker for the stall's length; the entries stay in L1 and the next pass
+    /// tries again.
+    writeback_opts: WriteOptions,
     /// Durable engine and partition ids. A mutex, not a lock-free map: it is held for a few
     /// hash lookups per commit, and across a write only when that write carries new ids (new
     /// engines are rare), which is what keeps an id from being used before its row is durable.
@@ -207,11 +212,16 @@ impl Store {
         let mut write_opts = WriteOptions::default();
         write_opts.set_sync(opts.sync);
         write_opts.disable_wal(false);
+        let mut writeback_opts = WriteOptions::default();
+        writeback_opts.set_sync(opts.sync);
+        writeback_opts.disable_wal(false);
+        writeback_opts.set_no_slowdown(true);
         let store = Store {
             db,
             path: dir.to_path_buf(),
             shards,
             write_opts,
+            writeback_opts,
             registry: Mutex::new(Registry::default()),
             #[cfg(any(test, feature = "testing"))]
             faults: Default::default(),
