@@ -144,7 +144,10 @@ impl Service {
             metrics.clone(),
             store.clone(),
             progress,
-            CommitSettings::from(&config.checkpoint),
+            CommitSettings {
+                max_inflight_bytes: config.source.max_inflight_bytes,
+                ..CommitSettings::from(&config.checkpoint)
+            },
             &spill,
             Liveness {
                 ttl: config.index.engine_ttl(),

@@ -218,6 +218,9 @@ pub struct SourceConfig {
     pub format: Format,
     /// Larger payloads are rejected before parsing.
     pub max_payload_bytes: usize,
+    /// Budget of decoded events queued for the shard workers, in bytes: the source is not
+    /// read further while it is spent (part of the process memory bound).
+    pub max_inflight_bytes: u64,
     pub kafka: KafkaConfig,
     pub nats: NatsConfig,
     pub vllm: VllmConfig,
@@ -360,6 +363,7 @@ impl Default for SourceConfig {
             kind: SourceKind::Embedded,
             format: Format::Auto,
             max_payload_bytes: crate::event::decode::DEFAULT_MAX_PAYLOAD_BYTES,
+            max_inflight_bytes: 64 << 20,
             kafka: KafkaConfig::default(),
             nats: NatsConfig::default(),
             vllm: VllmConfig::default(),

@@ -33,6 +33,15 @@ impl Config {
         if self.source.max_payload_bytes == 0 {
             return Err(bad("source.max_payload_bytes", "must be at least 1, got 0"));
         }
+        if self.source.max_inflight_bytes < 1 << 20 {
+            return Err(bad(
+                "source.max_inflight_bytes",
+                format!(
+                    "must be at least 1048576 (1 MiB), got {}",
+                    self.source.max_inflight_bytes
+                ),
+            ));
+        }
         let kafka = &self.source.kafka;
         if StartPosition::parse(&kafka.start).is_none() {
             return Err(bad(

@@ -37,10 +37,12 @@
 //! its hard cap the worker takes no work, so its queue fills and `ingest_batch` blocks: the
 //! sources pause.
 
+mod inflight;
 pub mod progress;
 pub mod spill;
 pub mod worker;
 
+pub use inflight::DEFAULT_INFLIGHT_BYTES;
 pub use progress::Progress;
 pub use spill::{ShardSpill, Spill};
 pub use worker::{CommitSettings, Liveness};
@@ -51,6 +53,7 @@ use crate::metrics::Metrics;
 use crate::source::{Checkpoints, Message};
 use crate::store::{Store, StoreError};
 use crate::util::LogEvery;
+use inflight::Inflight;
 use progress::PartId;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
@@ -76,6 +79,8 @@ struct ShardWork {
     spans: Vec<Span>,
     /// (partition, next offset) of every source partition in the batch, for every shard.
     delivered: Vec<(PartId, i64)>,
+    /// What `events` count against the in-flight budget (given back once applied).
+    bytes: u64,
 }
 
 enum Msg {
@@ -118,6 +123,8 @@ pub struct Pipeline {
     closing: Arc<AtomicBool>,
     /// Rate limit of the block-size conflict warning.
     conflict_warnings: LogEvery,
+    /// Bytes of decoded events queued for the workers (`inflight.rs`).
+    inflight: Arc<Inflight>,
 }
 
 impl Pipeline {
@@ -136,6 +143,7 @@ impl Pipeline {
         let mut senders = Vec::new();
         let mut workers = Vec::new();
         let closing = Arc::new(AtomicBool::new(false));
+        let inflight = Arc::new(Inflight::new(commits.max_inflight_bytes));
         for shard in 0..index.shard_count() {
             let (tx, rx) = sync_channel(QUEUE_BATCHES);
             let ctx = WorkerContext {
@@ -146,6 +154,7 @@ impl Pipeline {
                 commits,
                 closing: closing.clone(),
                 liveness: liveness.clone(),
+                inflight: inflight.clone(),
             };
             let mut worker = Worker::new(shard, ctx, spill.for_shard(shard));
             let handle = std::thread::Builder::new()
@@ -164,6 +173,7 @@ impl Pipeline {
             workers,
             closing,
             conflict_warnings: LogEvery::new(std::time::Duration::from_secs(10)),
+            inflight,
         }
     }
 
@@ -174,6 +184,11 @@ impl Pipeline {
     /// so offsets only advance over what is durable, and a restart replays the rest.
     pub fn close(&self) {
         self.closing.store(true, Relaxed);
+    }
+
+    /// Bytes of decoded events queued for the workers now, and the budget.
+    pub fn inflight_bytes(&self) -> (u64, u64) {
+        (self.inflight.used(), self.inflight.limit())
     }
 
     pub fn index(&self) -> &Arc<Index> {
@@ -196,10 +211,14 @@ impl Pipeline {
     }
 
     fn send(&self, work: Vec<ShardWork>) {
-        for (tx, w) in self.senders.iter().zip(work) {
+        for (tx, mut w) in self.senders.iter().zip(work) {
             if !w.events.is_empty() || !w.delivered.is_empty() {
+                w.bytes = w.events.iter().map(inflight::event_bytes).sum();
+                self.inflight.acquire(w.bytes);
                 // A send fails only if the worker died, which it does only on shutdown.
-                let _ = tx.send(Msg::Work(w));
+                if let Err(std::sync::mpsc::SendError(Msg::Work(w))) = tx.send(Msg::Work(w)) {
+                    self.inflight.release(w.bytes);
+                }
             }
         }
     }

@@ -29,6 +29,8 @@ const COMMIT_WARN_EVERY: Duration = Duration::from_secs(10);
 pub struct CommitSettings {
     pub interval: Duration,
     pub max_events: u64,
+    /// Budget of decoded events queued for the workers, in bytes.
+    pub max_inflight_bytes: u64,
 }
 
 impl Default for CommitSettings {
@@ -42,6 +44,7 @@ impl From<&crate::config::CheckpointConfig> for CommitSettings {
         CommitSettings {
             interval: Duration::from_millis(c.interval_ms),
             max_events: c.max_events,
+            max_inflight_bytes: super::DEFAULT_INFLIGHT_BYTES,
         }
     }
 }
@@ -67,6 +70,8 @@ pub(super) struct WorkerContext {
     /// The pipeline's [`close`](super::Pipeline::close) flag.
     pub closing: Arc<AtomicBool>,
     pub liveness: Liveness,
+    /// The in-flight budget each applied batch gives its bytes back to.
+    pub inflight: Arc<super::inflight::Inflight>,
 }
 
 /// When silent engines are forgotten (`index.engine_ttl_s`).
@@ -190,6 +195,12 @@ impl Worker {
     }
 
     fn apply(&mut self, work: ShardWork) {
+        let bytes = work.bytes;
+        self.apply_work(work);
+        self.ctx.inflight.release(bytes);
+    }
+
+    fn apply_work(&mut self, work: ShardWork) {
         let now = now_us();
         let index = self.ctx.index.clone();
         let mut guard = index.shard(self.shard).write();

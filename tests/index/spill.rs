@@ -215,9 +215,13 @@ struct Outage {
     feeder: std::thread::JoinHandle<()>,
 }
 
+/// The in-flight budget of the outage tests (small, so it binds before the queue length).
+const INFLIGHT: u64 = 1 << 20;
+
 fn outage_at_the_hard_cap() -> Outage {
     let dir = tempfile::tempdir().unwrap();
-    let c = config(dir.path(), 32 << 10);
+    let mut c = config(dir.path(), 32 << 10);
+    c.source.max_inflight_bytes = INFLIGHT;
     let clock = Arc::new(ManualClock::new());
     let service = Arc::new(Service::open_with_clock(c.clone(), None, clock.clone()).unwrap());
     let mut traffic = Traffic {
@@ -256,9 +260,15 @@ fn outage_at_the_hard_cap() -> Outage {
     assert!(open.failures >= 1, "{open:?}");
     assert_eq!(open.breaker.backoff, Duration::from_secs(2), "{open:?}");
     assert!(open.l1_bytes <= 4 * open.l1_hard_cap_bytes, "{open:?}");
-    // Backpressure: the source's batch is not taken while L1 is full and L2 is down.
+    // Backpressure: the source's batch is not taken while L1 is full and L2 is down, and
+    // what waits for the paused shard stays within the in-flight byte budget (plus the one
+    // batch it admits when nothing else is in flight), not 64 queued batches per shard.
     std::thread::sleep(Duration::from_millis(300));
     assert!(!feeder.is_finished(), "events were taken past the hard cap");
+    let (inflight, limit) = service.pipeline.inflight_bytes();
+    assert_eq!(limit, INFLIGHT);
+    assert!(inflight > 0, "vacuous: nothing waits");
+    assert!(inflight <= 2 * INFLIGHT, "{inflight} bytes in flight");
     Outage {
         dir,
         service,

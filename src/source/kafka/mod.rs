@@ -86,6 +86,11 @@ const FORCED: &[(&str, &str)] = &[
     ("auto.offset.reset", "error"),
 ];
 
+/// Defaults kvindex sets unless `properties` says otherwise: librdkafka prefetches up to
+/// 64 MiB per client by default, outside any budget; 16 MiB keeps the prefetch a small, known
+/// part of the process memory bound (README, "Memory") and is still many fetches ahead.
+pub const PREFETCH_DEFAULTS: &[(&str, &str)] = &[("queued.max.messages.kbytes", "16384")];
+
 /// How to run the Kafka source.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KafkaSettings {
@@ -203,6 +208,9 @@ impl KafkaSource {
         }
         let mut cfg = ClientConfig::new();
         cfg.set("partition.assignment.strategy", "cooperative-sticky");
+        for (k, v) in PREFETCH_DEFAULTS {
+            cfg.set(*k, *v);
+        }
         for (k, v) in &settings.properties {
             cfg.set(k, v);
         }
