@@ -37,6 +37,8 @@ pub struct Metrics {
     commit_sum_ns: AtomicU64,
     /// Engines cleared because no event reached them for `index.engine_ttl_s`.
     pub engines_expired: AtomicU64,
+    /// Times a shard held its events because an L2 read one needed failed.
+    pub l2_read_holds: AtomicU64,
     /// The source partitions as last published by the ingest loop.
     sources: Mutex<Vec<SourceGauge>>,
 }
@@ -92,6 +94,10 @@ impl Metrics {
 
     pub fn count_malformed(&self, reason: &'static str) {
         *self.malformed.lock().entry(reason).or_default() += 1;
+    }
+
+    pub fn count_l2_read_hold(&self) {
+        self.l2_read_holds.fetch_add(1, Relaxed);
     }
 
     pub fn count_engine_expired(&self) {
@@ -243,6 +249,17 @@ impl Metrics {
             out,
             "kvindex_producer_seq_regressions_total {}",
             index.seq_regressions
+        );
+        write_family(
+            &mut out,
+            "kvindex_l2_read_holds_total",
+            "counter",
+            "Retries of an event whose L2 read failed (its shard holds; nothing is skipped).",
+        );
+        let _ = writeln!(
+            out,
+            "kvindex_l2_read_holds_total {}",
+            self.l2_read_holds.load(Relaxed)
         );
         write_family(
             &mut out,

@@ -11,7 +11,7 @@ use super::progress::{NONE, PartId, Progress};
 use super::spill::ShardSpill;
 use super::{Msg, ShardWork};
 use crate::event::{Event, EventKind};
-use crate::index::{ChangeSet, Index, Shard};
+use crate::index::{ChangeSet, Index, Shard, SkipReason};
 use crate::metrics::Metrics;
 use crate::store::Store;
 use crate::util::{LogEvery, now_us};
@@ -100,6 +100,11 @@ pub(super) struct Worker {
     /// When this worker started (engines loaded from disk count as heard then).
     started_us: i64,
     next_sweep: Instant,
+    /// Pauses between retries of an event whose L2 read failed.
+    read_backoff: crate::util::Backoff,
+    /// Set when shutdown came while an event was held: later work is not applied, so no
+    /// offset moves past it.
+    abandoned: bool,
 }
 
 impl Worker {
@@ -115,6 +120,11 @@ impl Worker {
             spill,
             started_us: now_us(),
             next_sweep: Instant::now(),
+            read_backoff: crate::util::Backoff::new(
+                Duration::from_millis(50),
+                Duration::from_secs(5),
+            ),
+            abandoned: false,
         };
         // Floors restored from the store (Progress::restore) before the workers started.
         for id in 0..w.ctx.progress.len() as PartId {
@@ -201,6 +211,9 @@ impl Worker {
     }
 
     fn apply_work(&mut self, work: ShardWork) {
+        if self.abandoned {
+            return;
+        }
         let now = now_us();
         let index = self.ctx.index.clone();
         let mut guard = index.shard(self.shard).write();
@@ -209,17 +222,39 @@ impl Worker {
             let events = &work.events[start..span.end];
             start = span.end;
             let p = self.ctx.progress.get(span.part);
-            let floor = self.floor_mut(span.part);
-            if span.offset < *floor {
+            let previous = *self.floor_mut(span.part);
+            if span.offset < previous {
                 let n = events.len() as u64;
                 p.duplicates.fetch_add(n, Relaxed);
                 self.ctx.metrics.count_duplicates(n);
                 continue;
             }
-            *floor = span.offset + 1;
+            *self.floor_mut(span.part) = span.offset + 1;
             for ev in events {
-                self.apply_one(&mut guard, ev, now);
+                // An L2 read the event needs failed: hold this shard (retrying) rather than
+                // skip the event. No commit runs meanwhile (this thread makes them), so no
+                // offset moves past it.
+                loop {
+                    match guard.apply(ev, now) {
+                        Err(SkipReason::L2ReadFailed(error)) => {
+                            drop(guard);
+                            if !self.hold_for_l2_read(&error) {
+                                // Shutting down mid-message: nothing of it, or after it, counts
+                                // as applied; a restart applies it again.
+                                *self.floor_mut(span.part) = previous;
+                                self.abandoned = true;
+                                return;
+                            }
+                            guard = index.shard(self.shard).write();
+                        }
+                        result => {
+                            self.count_applied(ev, result);
+                            break;
+                        }
+                    }
+                }
             }
+            self.read_backoff.reset();
             p.events_applied.fetch_add(events.len() as u64, Relaxed);
             self.applied_since_commit += events.len() as u64;
         }
@@ -279,9 +314,33 @@ impl Worker {
         Some(removed)
     }
 
+    /// Waits before retrying an event whose L2 read failed (backing off up to 5 s), unless
+    /// the pipeline is closing: `false` then.
+    fn hold_for_l2_read(&mut self, error: &str) -> bool {
+        if self.ctx.closing.load(Relaxed) {
+            return false;
+        }
+        self.ctx.metrics.count_l2_read_hold();
+        if self.commit_warnings.ready() {
+            tracing::error!(
+                shard = self.shard,
+                error,
+                "an L2 read an event needs failed; holding this shard's events until it succeeds (nothing is skipped)"
+            );
+        }
+        std::thread::sleep(self.read_backoff.next_delay());
+        !self.ctx.closing.load(Relaxed)
+    }
+
     /// Applies one event, counting it; returns the memberships it changed (0 if skipped).
     fn apply_one(&self, shard: &mut Shard, ev: &Event, now: i64) -> usize {
-        match shard.apply(ev, now) {
+        let result = shard.apply(ev, now);
+        self.count_applied(ev, result)
+    }
+
+    /// Counts an applied (or skipped) event; returns the memberships it changed.
+    fn count_applied(&self, ev: &Event, result: Result<usize, SkipReason>) -> usize {
+        match result {
             Ok(ops) => {
                 if let Some(slot) = kind_slot(ev.kind) {
                     self.ctx.metrics.count_applied(slot, ops);

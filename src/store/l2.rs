@@ -36,6 +36,7 @@ pub(super) fn l2_error(e: rocksdb::Error) -> L2Error {
 
 impl L2Reader for Store {
     fn block(&self, shard: u16, key: u64) -> Result<Option<StoredBlock>, L2ReadError> {
+        self.read_fault().map_err(read_error)?;
         let cf = self.cf(CF_BLOCKS).map_err(read_error)?;
         let Some(v) = self
             .db
@@ -58,6 +59,7 @@ impl L2Reader for Store {
         partition: u32,
         hash: u64,
     ) -> Result<Option<u64>, L2ReadError> {
+        self.read_fault().map_err(read_error)?;
         let cf = self.cf(CF_MAPS).map_err(read_error)?;
         let key = map_key(shard, engine, partition, hash);
         match self
@@ -79,6 +81,7 @@ impl L2Reader for Store {
         partition: u32,
         each: &mut dyn FnMut(u64, u64),
     ) -> Result<(), L2ReadError> {
+        self.read_fault().map_err(read_error)?;
         self.scan(CF_MAPS, &map_prefix(shard, engine, partition), |k, v| {
             let (Some(hash), Some(block)) = (u64_at(k, 10), u64_at(v, 0)) else {
                 return Err(corrupt("map row", k));

@@ -145,6 +145,9 @@ pub struct Store {
     /// The fault switchboard every L2 write of the store obeys (`testing` builds only).
     #[cfg(any(test, feature = "testing"))]
     faults: crate::spill::testing::FaultHandle,
+    /// Set: every L2 *read* fails (`testing` builds only; see [`Store::fail_reads`]).
+    #[cfg(any(test, feature = "testing"))]
+    read_faults: std::sync::atomic::AtomicBool,
 }
 
 /// RocksDB's block cache (data blocks), shared by the column families that hold index rows.
@@ -225,6 +228,8 @@ impl Store {
             registry: Mutex::new(Registry::default()),
             #[cfg(any(test, feature = "testing"))]
             faults: Default::default(),
+            #[cfg(any(test, feature = "testing"))]
+            read_faults: Default::default(),
         };
         store.check_layout(shards, opts.seed)?;
         store.load_registry()?;
@@ -321,6 +326,26 @@ impl Store {
     #[cfg(any(test, feature = "testing"))]
     pub fn faults(&self) -> &crate::spill::testing::FaultHandle {
         &self.faults
+    }
+
+    /// Makes every L2 read (the index reading spilled rows) fail until turned off (`testing`
+    /// builds only).
+    #[cfg(any(test, feature = "testing"))]
+    pub fn fail_reads(&self, fail: bool) {
+        self.read_faults
+            .store(fail, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// An injected read fault, if reads are set to fail.
+    fn read_fault(&self) -> Result<(), StoreError> {
+        #[cfg(any(test, feature = "testing"))]
+        if self.read_faults.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(StoreError::Corrupt {
+                what: "injected read fault",
+                detail: "Store::fail_reads".into(),
+            });
+        }
+        Ok(())
     }
 
     fn cf(&self, name: &'static str) -> Result<&ColumnFamily, StoreError> {

@@ -537,3 +537,64 @@ fn a_restore_never_brings_back_a_block_removed_since_the_last_commit() {
         "a restore resurrected a removed block"
     );
 }
+
+/// An L2 read that an event needs fails: the shard holds that event (retrying) instead of
+/// skipping it and committing past it; once reads work again everything applies, and the
+/// index answers like one that never spilled.
+#[test]
+fn a_failed_l2_read_holds_the_shard_and_skips_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = config(dir.path(), 32 << 10);
+    let reference = reference(&c);
+    let service = Arc::new(Service::open(c, None).unwrap());
+    let mut traffic = Traffic {
+        fleet: fleet(21),
+        next_offset: 0,
+    };
+    feed(&service, &reference, &mut traffic, 300);
+    assert!(service.pipeline.persist());
+    assert!(
+        service.spill.stats().l2_entries > 0,
+        "vacuous: nothing spilled"
+    );
+
+    service.store.fail_reads(true);
+    let (messages, events) = traffic.batch(300);
+    for ev in &events {
+        let _ = reference.apply(ev, 0);
+    }
+    let feeder = {
+        let service = service.clone();
+        std::thread::spawn(move || {
+            let opts = DecodeSettings::from(&Config::default().source);
+            for chunk in messages.chunks(10) {
+                service.pipeline.ingest_batch(SOURCE, chunk, &opts).unwrap();
+            }
+            service.pipeline.flush();
+        })
+    };
+    wait_for(
+        "a shard to hold on a failed read",
+        Duration::from_secs(60),
+        || {
+            (service
+                .metrics
+                .l2_read_holds
+                .load(std::sync::atomic::Ordering::Relaxed)
+                > 0)
+            .then_some(())
+        },
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        !service.metrics.skipped().contains_key("l2_read_failed"),
+        "an event was skipped: {:?}",
+        service.metrics.skipped()
+    );
+    service.store.fail_reads(false);
+    feeder.join().unwrap();
+    assert!(service.pipeline.persist());
+    assert!(!service.metrics.skipped().contains_key("l2_read_failed"));
+    let q = queries(&mut traffic, 48);
+    assert_same(&service, &reference, &q, "after the read outage");
+}

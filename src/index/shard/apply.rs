@@ -277,10 +277,13 @@ impl Shard {
         };
         self.touch(eid, seen_us);
         let slots = self.reached_slots(eid, ev, ev.is_scoped());
-        let mut removed = 0;
-        for slot in slots {
+        // Every read first: a removal that reaches several adapters is never half applied.
+        for &slot in &slots {
             let pid = self.engines[eid as usize].parts[slot].0;
             self.fault_in_removed(eid, pid, &ev.block_hashes)?;
+        }
+        let mut removed = 0;
+        for slot in slots {
             removed += self.remove_in_part(eid, slot, &ev.block_hashes);
         }
         Ok(removed)
