@@ -86,7 +86,8 @@ impl ConfigError {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum SourceKind {
-    /// In-process queue (`demo`, tests, and the HTTP ingest path).
+    /// The in-process Kafka-protocol broker (librdkafka's mock cluster): for demos and
+    /// single-node development; its log does not survive a restart.
     #[default]
     Embedded,
     Kafka,
