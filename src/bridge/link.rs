@@ -221,8 +221,12 @@ impl Link {
                 cooldown_until: None,
             };
             // A fence that was started but never followed by anything durable: redo it.
-            if position.is_some_and(|p| p.seq.is_none()) {
+            if position.as_ref().is_some_and(|p| p.seq.is_none()) {
                 self.fence(&mut stream, FenceReason::Unverified);
+            } else if position.is_none() && !configured {
+                // A publisher first seen on a bound socket: the index may hold anything
+                // for its engine id (the configured stream meets its engine on connect).
+                self.fence(&mut stream, FenceReason::FirstContact);
             }
             self.streams.insert(topic.to_vec(), stream);
         }

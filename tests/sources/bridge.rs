@@ -618,3 +618,65 @@ fn the_sidecar_bridge_into_nats_survives_a_server_restart() {
     kv.terminate();
     bridge.terminate();
 }
+
+#[test]
+fn engines_that_connect_to_a_bound_bridge_each_get_their_own_stream_by_topic() {
+    use kvindex::bench::engine::{HashForm, encode_batch};
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let dir = tempfile::tempdir().unwrap();
+    // Centralised mode (as llm-d runs it): the bridge binds, engines connect with their own
+    // topic; the subscription is the common prefix.
+    let kv = serve_with(
+        dir.path(),
+        &format!(
+            "[[bridge.engines]]\nid = \"central\"\nendpoint = \"tcp://*:{port}\"\ntopic = \"kv@\"\nmodel = \"{MODEL}\"\n"
+        ),
+    );
+    let ctx = zmq::Context::new();
+    let publishers: Vec<(String, zmq::Socket)> = ["kv@pod-1", "kv@pod-2"]
+        .iter()
+        .map(|topic| {
+            let s = ctx.socket(zmq::PUB).unwrap();
+            s.set_linger(0).unwrap();
+            s.connect(&format!("tcp://127.0.0.1:{port}")).unwrap();
+            (topic.to_string(), s)
+        })
+        .collect();
+    // Subscriptions travel to a connecting PUB once the handshake is done.
+    std::thread::sleep(Duration::from_millis(500));
+    let mut prompts = Prompts::new(41);
+    let mut models = Vec::new();
+    for (topic, socket) in &publishers {
+        let mut history = Vec::new();
+        for seq in 0..10u64 {
+            let events = prompts.batch();
+            let payload = encode_batch(0.0, &events, Some(0), Encoding::Map, HashForm::U64, BLOCK);
+            socket
+                .send_multipart([topic.as_bytes(), &seq.to_be_bytes(), &payload], 0)
+                .unwrap();
+            history.push((seq, events));
+        }
+        models.push((format!("central/{topic}"), Model::fold(&history)));
+    }
+    assert_converges(
+        &kv,
+        &models,
+        &prompts.prompts,
+        "each connecting engine indexed",
+    );
+    let stats = kv.stats();
+    let streams = stats["bridge"].as_array().unwrap();
+    for topic in ["kv@pod-1", "kv@pod-2"] {
+        let row = streams
+            .iter()
+            .find(|r| r["topic"] == topic)
+            .unwrap_or_else(|| panic!("no stream for {topic}: {stats}"));
+        assert_eq!(row["last_seq"], 9, "{row}");
+        assert_eq!(row["fences"]["first_contact"], 1, "{row}");
+    }
+    kv.terminate();
+}
