@@ -158,13 +158,22 @@ pub fn tier_to_i32(tier: Tier) -> i32 {
     }
 }
 
-/// Whether an event of `kind` must name its replica.
+/// Whether an event of `kind` must name its replica (every kind that reaches an engine).
 pub(crate) fn needs_replica(kind: EventKind) -> bool {
+    needs_model(kind) || kind == EventKind::ReplicaUpdated
+}
+
+/// Whether an event of `kind` must name its model (every kind that changes memberships: a
+/// lookup always names a model, so blocks stored under none could never be found).
+pub(crate) fn needs_model(kind: EventKind) -> bool {
     matches!(
         kind,
         EventKind::Stored | EventKind::Removed | EventKind::AllCleared | EventKind::AdapterCleared
     )
 }
+
+/// Longest replica, model, tenant or adapter name accepted (names key in-memory maps).
+pub const MAX_NAME_BYTES: usize = 256;
 
 /// Builds the [`BlockContent`] of a chain from its token ids and block size, checking the
 /// contract `token_ids.len() == blocks * block_size` (empty tokens → hash-only).
@@ -288,6 +297,26 @@ impl<S: AsRef<str> + Into<String>> EventFields<'_, S> {
         let parent_hash =
             (!self.parent_hash.is_empty()).then(|| EngineHash::from_bytes(self.parent_hash));
         let content = content_from_tokens(self.token_ids, self.block_size, block_hashes.len())?;
+        if self.model_id.as_ref().is_empty() && needs_model(kind) {
+            return Err(DecodeError::Field {
+                field: "model_id",
+                reason: "empty (a lookup always names a model: such blocks could never be found)"
+                    .into(),
+            });
+        }
+        for (field, name) in [
+            ("replica_id", replica),
+            ("model_id", self.model_id.as_ref()),
+            ("tenant_id", self.tenant_id.as_ref()),
+            ("adapter_id", self.adapter_id.as_ref()),
+        ] {
+            if name.len() > MAX_NAME_BYTES {
+                return Err(DecodeError::Field {
+                    field,
+                    reason: format!("{} bytes, at most {MAX_NAME_BYTES}", name.len()),
+                });
+            }
+        }
         Ok(Event {
             kind,
             engine: engine_id(replica, self.dp_rank),

@@ -216,7 +216,7 @@ fn wrong_typed_fields_name_the_field() {
     }
     // In an array, the bad event is skipped (its field named) and the others decode.
     let d = decode_payload(
-        br#"[{"type":"PREFIX_ADDED","replica_id":"r"},{"type":"PREFIX_ADDED","adapter_scoped":1}]"#,
+        br#"[{"type":"PREFIX_ADDED","replica_id":"r","model_id":"m"},{"type":"PREFIX_ADDED","adapter_scoped":1}]"#,
         &env(),
         &opts(Format::Auto),
     )
@@ -422,10 +422,11 @@ fn one_bad_event_in_a_batch_skips_only_that_event() {
     assert_eq!(d.skipped.len(), 1);
     assert_eq!(d.skipped[0].reason(), "bad_field");
     // JSON: one event with a wrong-typed field, one without a replica id.
-    let body = br#"[{"type":"PREFIX_EVICTED","replica_id":"a","block_hashes":["07"]},
-        {"type":"PREFIX_ADDED","replica_id":"r","block_size":"16"},
-        {"type":"PREFIX_EVICTED","replica_id":"","block_hashes":["07"]},
-        {"type":"PREFIX_EVICTED","replica_id":"d","block_hashes":["07"]}]"#;
+    let body =
+        br#"[{"type":"PREFIX_EVICTED","replica_id":"a","model_id":"m","block_hashes":["07"]},
+        {"type":"PREFIX_ADDED","replica_id":"r","model_id":"m","block_size":"16"},
+        {"type":"PREFIX_EVICTED","replica_id":"","model_id":"m","block_hashes":["07"]},
+        {"type":"PREFIX_EVICTED","replica_id":"d","model_id":"m","block_hashes":["07"]}]"#;
     for format in [Format::Auto, Format::Json] {
         let d = decode_payload(body, &env(), &opts(format)).unwrap();
         let engines: Vec<&str> = d.events.iter().map(|e| e.engine.as_str()).collect();
@@ -433,6 +434,44 @@ fn one_bad_event_in_a_batch_skips_only_that_event() {
         let reasons: Vec<&str> = d.skipped.iter().map(DecodeError::reason).collect();
         assert_eq!(reasons, ["bad_field", "bad_field"], "{format}");
     }
+    // Names: a model for every event that changes memberships, a replica for every event
+    // that reaches an engine (heartbeats too), and no name longer than 256 bytes.
+    let long = "x".repeat(257);
+    for (doc, field) in [
+        (
+            r#"{"type":"PREFIX_ADDED","replica_id":"r"}"#.to_string(),
+            "model_id",
+        ),
+        (
+            r#"{"type":"ALL_CLEARED","replica_id":"r","model_id":""}"#.to_string(),
+            "model_id",
+        ),
+        (
+            r#"{"type":"REPLICA_UPDATED","model_id":"m"}"#.to_string(),
+            "replica_id",
+        ),
+        (
+            format!(r#"{{"type":"PREFIX_ADDED","replica_id":"r","model_id":"{long}"}}"#),
+            "model_id",
+        ),
+        (
+            format!(r#"{{"type":"PREFIX_ADDED","replica_id":"{long}","model_id":"m"}}"#),
+            "replica_id",
+        ),
+    ] {
+        match decode_payload(doc.as_bytes(), &env(), &opts(Format::Json)) {
+            Err(DecodeError::Field { field: f, .. }) => assert_eq!(f, field, "{doc}"),
+            other => panic!("{doc}: {other:?}"),
+        }
+    }
+    // A heartbeat needs no model.
+    assert_eq!(
+        decode(
+            br#"{"type":"REPLICA_UPDATED","replica_id":"r"}"#,
+            Format::Json
+        ),
+        Ok(1)
+    );
     // Broken framing still fails the whole payload.
     assert!(
         decode(

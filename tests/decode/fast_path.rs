@@ -110,11 +110,14 @@ fn random_event(rng: &mut Rng, groups: bool) -> Vec<u8> {
         w.varint_any(rng, kind);
     });
     for f in [2u32, 3, 4, 7] {
-        if rng.chance(85) {
+        // Replica and model are required by every kind that reaches an engine: present and
+        // non-empty most of the time, so both sides of the contract get exercised.
+        let named = f == 2 || f == 3;
+        if rng.chance(if named { 95 } else { 85 }) {
             let s = if rng.chance(3) {
                 STRINGS[5]
             } else {
-                STRINGS[rng.below(5) as usize + usize::from(f == 2)]
+                STRINGS[rng.below(5) as usize + usize::from(named)]
             };
             field(&mut |w| w.bytes(f, s));
         }

@@ -385,7 +385,7 @@ fn schema_accepts_fixtures_and_encoder_output() {
     assert_valid(&v, &doc, "to_json(all events)");
     assert_valid(
         &v,
-        &json!({"type": "PREFIX_ADDED", "replica_id": "r", "block_hashes": [1, "00ff"], "future_field": {"x": 1}}),
+        &json!({"type": "PREFIX_ADDED", "replica_id": "r", "model_id": "m", "block_hashes": [1, "00ff"], "future_field": {"x": 1}}),
         "int and hex hashes",
     );
 }
@@ -589,7 +589,7 @@ fn newline_led_payloads_json_or_protobuf_batch() {
         assert_eq!(&bytes[..2], &[0x0a, target as u8]);
         assert_eq!(decode(&bytes, Format::Auto, &[]).events, events);
     }
-    let json = b"\n\n  {\"type\":\"ALL_CLEARED\",\"replica_id\":\"r\"}\n";
+    let json = b"\n\n  {\"type\":\"ALL_CLEARED\",\"replica_id\":\"r\",\"model_id\":\"m\"}\n";
     assert_eq!(decode(json, Format::Auto, &[]).events.len(), 1);
     let bad_json = b"\n{\"type\":\"ALL_CLEARED\",\"replica_id\":\"r\"";
     let e = decode_payload(bad_json, &env(), &opts(Format::Auto, &[])).unwrap_err();
