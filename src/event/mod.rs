@@ -251,6 +251,8 @@ pub enum DecodeError {
     MissingModel,
     #[error("vLLM lora_id {0} is not in [source.vllm.lora_names]; event dropped")]
     UnmappedLora(i64),
+    #[error("KV-cache group {group} ({kind}) is not indexed (only the full-attention group is)")]
+    OtherKvGroup { group: i64, kind: String },
 }
 
 impl DecodeError {
@@ -268,6 +270,7 @@ impl DecodeError {
             DecodeError::MissingEngine => "missing_engine",
             DecodeError::MissingModel => "missing_model",
             DecodeError::UnmappedLora(_) => "unmapped_lora",
+            DecodeError::OtherKvGroup { .. } => "other_kv_group",
         }
     }
 }

@@ -14,8 +14,11 @@
 //!   an array as above or a map with keys `ts`, `events`, `data_parallel_rank`.
 //!
 //! Block hashes are integers (signed or unsigned 64-bit) or bytes (e.g. 32-byte digests), see
-//! [`EngineHash`]. `medium` is `GPU`/`CPU`/`STORAGE`/`DISK` (nil or unknown → GPU). Unknown and
-//! newer fields (`extra_keys`, `group_idx`, `locality`, `session_id`, ...) are skipped; an
+//! [`EngineHash`]. `medium` is `GPU`/`CPU`/`STORAGE`/`DISK` (nil or unknown → GPU). Of a hybrid
+//! model's KV-cache groups (`group_idx`, `kv_cache_spec_kind`) only the full-attention group is
+//! indexed; events of other groups are dropped as [`DecodeError::OtherKvGroup`] (see
+//! [`indexed_group`]). Unknown and newer fields (`extra_keys`, `locality`, `session_id`, ...)
+//! are skipped; an
 //! unknown event tag becomes an [`EventKind::Unknown(-1)`](EventKind::Unknown) event.
 //!
 //! vLLM payloads name neither engine nor model: the engine comes from [`Envelope::engine`]
@@ -262,6 +265,25 @@ struct RawEvent<'a> {
     lora_id: Option<i64>,
     lora_name: Option<&'a str>,
     medium: Option<&'a str>,
+    /// vLLM's KV-cache group of a hybrid model (`group_idx`) and its kind
+    /// (`kv_cache_spec_kind`); see [`indexed_group`].
+    group_idx: Option<i64>,
+    group_kind: Option<&'a str>,
+}
+
+/// Whether blocks of this KV-cache group are indexed: only the full-attention group, as
+/// Dynamo's router does. A hybrid model (sliding-window or Mamba layers beside full attention)
+/// publishes one stream of blocks per group; the sliding-window group's blocks are dropped by
+/// the engine as the window moves on, so they say nothing about which prefix an engine can
+/// reuse, and mixing groups would make one engine's blocks of two groups look like one chain.
+fn indexed_group(group_idx: Option<i64>, kind: Option<&str>) -> bool {
+    group_idx.is_none_or(|g| g == 0)
+        && kind.is_none_or(|k| {
+            matches!(
+                k,
+                "full_attention" | "mla_attention" | "sink_full_attention"
+            )
+        })
 }
 
 impl RawEvent<'_> {
@@ -277,6 +299,12 @@ impl RawEvent<'_> {
             }
             Tag::Unknown => return Ok(Event::new(EventKind::Unknown(-1), "", partition(""))),
         };
+        if !indexed_group(self.group_idx, self.group_kind) {
+            return Err(DecodeError::OtherKvGroup {
+                group: self.group_idx.unwrap_or(0),
+                kind: self.group_kind.unwrap_or("").to_string(),
+            });
+        }
         let adapter: &str = match (self.lora_name.filter(|n| !n.is_empty()), self.lora_id) {
             (Some(name), _) => name,
             (None, Some(id)) => match ctx.lora_names.get(&id) {
@@ -719,7 +747,16 @@ impl<'a> Reader<'a> {
                         raw.lora_name = self.opt_str("lora_name")?;
                     }
                 }
-                fields.min(7)
+                if fields > 7 {
+                    self.skip(3)?; // extra_keys
+                }
+                if fields > 8 {
+                    raw.group_idx = self.opt_i64("group_idx")?;
+                }
+                if fields > 9 {
+                    raw.group_kind = self.opt_str("kv_cache_spec_kind")?;
+                }
+                fields.min(10)
             }
             Tag::Removed => {
                 if fields < 1 {
@@ -732,7 +769,10 @@ impl<'a> Reader<'a> {
                 if fields > 1 {
                     raw.medium = self.opt_str("medium")?;
                 }
-                fields.min(2)
+                if fields > 2 {
+                    raw.group_idx = self.opt_i64("group_idx")?;
+                }
+                fields.min(3)
             }
             Tag::Cleared | Tag::Unknown => 0,
         };
@@ -787,6 +827,12 @@ impl<'a> Reader<'a> {
                     raw.lora_name = self.opt_str("lora_name")?
                 }
                 (Tag::Stored | Tag::Removed, b"medium") => raw.medium = self.opt_str("medium")?,
+                (Tag::Stored | Tag::Removed, b"group_idx") => {
+                    raw.group_idx = self.opt_i64("group_idx")?
+                }
+                (Tag::Stored | Tag::Removed, b"kv_cache_spec_kind") => {
+                    raw.group_kind = self.opt_str("kv_cache_spec_kind")?
+                }
                 _ => self.skip(3)?,
             }
         }

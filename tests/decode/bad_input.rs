@@ -8,7 +8,7 @@ use kvindex::sim::Rng;
 use std::path::{Path, PathBuf};
 
 const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures");
-const REASONS: [&str; 11] = [
+const REASONS: [&str; 12] = [
     "empty",
     "too_large",
     "unknown_format",
@@ -20,6 +20,7 @@ const REASONS: [&str; 11] = [
     "missing_engine",
     "missing_model",
     "unmapped_lora",
+    "other_kv_group",
 ];
 
 fn opts(format: Format) -> DecodeSettings {

@@ -7,5 +7,6 @@ mod support;
 mod bad_input;
 mod fast_path;
 mod fixtures;
+mod kv_groups;
 mod lookup_body;
 mod sglang;
