@@ -3,14 +3,17 @@
 //! commit their changes together with the source offsets they cover.
 //!
 //! - `mod.rs` (here): the [`Pipeline`]: decoding a batch of source messages, routing its
-//!   events to shards, and the control messages (flush, persist, forget a partition);
-//! - [`worker`]: one shard's worker thread: apply, skip duplicates, commit;
+//!   events to shards (pinning each model's block size first), and the control messages
+//!   (flush, persist, forget a partition, forget an engine);
+//! - [`worker`]: one shard's worker thread: apply, skip duplicates, hold on a failed L2 read,
+//!   expire silent engines, commit;
+//! - `inflight.rs`: the byte budget of decoded events queued for the workers;
 //! - [`progress`]: per source partition, what each shard has applied and made durable;
 //! - [`spill`]: the bounded L1's wiring: one spill controller per worker over the store.
 //!
 //! Workers are plain threads (index work is CPU-bound Rust on owned data, no `.await`); the
-//! bounded queues give backpressure: a source that outruns the index blocks in
-//! [`Pipeline::ingest_batch`] instead of growing memory without bound. The `Pipeline` owns its
+//! bounded queues and the in-flight byte budget give backpressure: a source that outruns the
+//! index blocks in [`Pipeline::ingest_batch`] instead of growing memory without bound. The `Pipeline` owns its
 //! workers and stops them on drop (each makes a last commit first).
 //!
 //! # The checkpoint contract
