@@ -235,54 +235,30 @@ impl Metrics {
                 "Shard commits that failed (retried; nothing is acknowledged upstream meanwhile).",
                 self.commit_failures.load(Relaxed),
             ),
+            (
+                "kvindex_producer_seq_regressions_total",
+                "Events whose producer seq was below the highest applied for their engine.",
+                index.seq_regressions,
+            ),
+            (
+                "kvindex_l2_read_holds_total",
+                "Retries of an event whose L2 read failed (its shard holds; nothing is skipped).",
+                self.l2_read_holds.load(Relaxed),
+            ),
+            (
+                "kvindex_engines_expired_total",
+                "Engines cleared because no event reached them for index.engine_ttl_s.",
+                self.engines_expired.load(Relaxed),
+            ),
+            (
+                "kvindex_block_size_conflicts_total",
+                "Events whose block size differs from the size pinned for their model.",
+                index.block_size_conflicts,
+            ),
         ] {
             write_family(&mut out, name, "counter", help);
             let _ = writeln!(out, "{name} {value}");
         }
-        write_family(
-            &mut out,
-            "kvindex_producer_seq_regressions_total",
-            "counter",
-            "Events whose producer seq was below the highest applied for their engine.",
-        );
-        let _ = writeln!(
-            out,
-            "kvindex_producer_seq_regressions_total {}",
-            index.seq_regressions
-        );
-        write_family(
-            &mut out,
-            "kvindex_l2_read_holds_total",
-            "counter",
-            "Retries of an event whose L2 read failed (its shard holds; nothing is skipped).",
-        );
-        let _ = writeln!(
-            out,
-            "kvindex_l2_read_holds_total {}",
-            self.l2_read_holds.load(Relaxed)
-        );
-        write_family(
-            &mut out,
-            "kvindex_engines_expired_total",
-            "counter",
-            "Engines cleared because no event reached them for index.engine_ttl_s.",
-        );
-        let _ = writeln!(
-            out,
-            "kvindex_engines_expired_total {}",
-            self.engines_expired.load(Relaxed)
-        );
-        write_family(
-            &mut out,
-            "kvindex_block_size_conflicts_total",
-            "counter",
-            "Events whose block size differs from the size pinned for their model.",
-        );
-        let _ = writeln!(
-            out,
-            "kvindex_block_size_conflicts_total {}",
-            index.block_size_conflicts
-        );
         write_family(
             &mut out,
             "kvindex_commit_seconds_total",

@@ -215,6 +215,23 @@ struct Outage {
     feeder: std::thread::JoinHandle<()>,
 }
 
+/// Ingests `messages` in batches of `chunk` on a thread of its own (the source side, which
+/// blocks under backpressure), then waits until they are applied.
+fn spawn_feeder(
+    service: &Arc<Service>,
+    messages: Vec<Message>,
+    chunk: usize,
+) -> std::thread::JoinHandle<()> {
+    let service = service.clone();
+    std::thread::spawn(move || {
+        let opts = DecodeSettings::from(&Config::default().source);
+        for batch in messages.chunks(chunk) {
+            service.pipeline.ingest_batch(SOURCE, batch, &opts).unwrap();
+        }
+        service.pipeline.flush();
+    })
+}
+
 /// The in-flight budget of the outage tests (small, so it binds before the queue length).
 const INFLIGHT: u64 = 1 << 20;
 
@@ -238,17 +255,8 @@ fn outage_at_the_hard_cap() -> Outage {
     for ev in &events {
         let _ = reference.apply(ev, 0);
     }
-    let feeder = {
-        let service = service.clone();
-        std::thread::spawn(move || {
-            let opts = DecodeSettings::from(&Config::default().source);
-            // In source-sized batches: L1 may overshoot its cap by one batch at most.
-            for chunk in messages.chunks(5) {
-                service.pipeline.ingest_batch(SOURCE, chunk, &opts).unwrap();
-            }
-            service.pipeline.flush();
-        })
-    };
+    // In source-sized batches: L1 may overshoot its cap by one batch at most.
+    let feeder = spawn_feeder(&service, messages, 5);
     let open = wait_for(
         "the breaker to open and L1 to reach its hard cap",
         Duration::from_secs(60),
@@ -563,16 +571,7 @@ fn a_failed_l2_read_holds_the_shard_and_skips_nothing() {
     for ev in &events {
         let _ = reference.apply(ev, 0);
     }
-    let feeder = {
-        let service = service.clone();
-        std::thread::spawn(move || {
-            let opts = DecodeSettings::from(&Config::default().source);
-            for chunk in messages.chunks(10) {
-                service.pipeline.ingest_batch(SOURCE, chunk, &opts).unwrap();
-            }
-            service.pipeline.flush();
-        })
-    };
+    let feeder = spawn_feeder(&service, messages, 10);
     wait_for(
         "a shard to hold on a failed read",
         Duration::from_secs(60),
