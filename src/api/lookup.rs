@@ -166,7 +166,14 @@ fn answer(state: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Answe
     };
     let start = Instant::now();
     let limit = req.limit.unwrap_or(usize::MAX);
-    let (query_blocks, answer) = state.index.lookup_limited(p, &blocks, limit);
+    let heard_since = req.max_idle_s.map(|s| {
+        crate::util::now_us().saturating_sub(
+            i64::try_from(s)
+                .unwrap_or(i64::MAX)
+                .saturating_mul(1_000_000),
+        )
+    });
+    let (query_blocks, answer) = state.index.lookup_heard(p, &blocks, limit, heard_since);
     state.metrics.observe_lookup(start.elapsed().as_secs_f64());
     Ok(Answered {
         partition: req.partition,

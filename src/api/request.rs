@@ -27,6 +27,9 @@ pub struct LookupRequest {
     pub block_size: Option<u32>,
     /// At most this many engines in the answer (the best ones); `None`: all of them.
     pub limit: Option<usize>,
+    /// Only engines kvindex applied an event of within this many seconds (its own clock);
+    /// `None`: every engine.
+    pub max_idle_s: Option<u64>,
 }
 
 /// The blocks a lookup asks about.
@@ -81,6 +84,8 @@ struct RawLookup {
     block_size: Scalar<BlockSize>,
     #[serde(default)]
     limit: Scalar<Limit>,
+    #[serde(default)]
+    max_idle_s: Scalar<Seconds>,
 }
 
 const TOKEN_IDS_TYPE: &str = "token_ids: expected an array of unsigned 32-bit integers";
@@ -115,6 +120,15 @@ impl RawLookup {
             _ => {
                 return Err(ApiError::bad_request(
                     "limit: expected a positive integer (most engines to answer with)",
+                ));
+            }
+        };
+        let max_idle_s = match self.max_idle_s.0 {
+            Field::Absent => None,
+            Field::Valid(Seconds(n)) => Some(n),
+            _ => {
+                return Err(ApiError::bad_request(
+                    "max_idle_s: expected a positive integer (seconds since an engine's last event)",
                 ));
             }
         };
@@ -153,6 +167,7 @@ impl RawLookup {
             query,
             block_size,
             limit,
+            max_idle_s,
         })
     }
 }
@@ -242,6 +257,16 @@ impl FromJson for Limit {
     const EXPECTING: &'static str = "a positive integer";
     fn from_u64(v: u64) -> Option<Self> {
         usize::try_from(v).ok().filter(|&n| n > 0).map(Limit)
+    }
+}
+
+/// `max_idle_s`: at least 1.
+struct Seconds(u64);
+
+impl FromJson for Seconds {
+    const EXPECTING: &'static str = "a positive integer";
+    fn from_u64(v: u64) -> Option<Self> {
+        (v > 0).then_some(Seconds(v))
     }
 }
 
@@ -448,6 +473,27 @@ mod tests {
         assert_eq!(r.limit, Some(8));
         let r = parse_lookup(br#"{"model":"m","token_ids":[1],"limit":null}"#).unwrap();
         assert_eq!(r.limit, None);
+    }
+
+    #[test]
+    fn max_idle_s_is_a_positive_number_of_seconds() {
+        let r = parse_lookup(br#"{"model":"m","token_ids":[1],"max_idle_s":30}"#).unwrap();
+        assert_eq!(r.max_idle_s, Some(30));
+        assert_eq!(
+            parse_lookup(br#"{"model":"m","token_ids":[1]}"#)
+                .unwrap()
+                .max_idle_s,
+            None
+        );
+        for bad in ["0", "-1", "1.5", "\"30\""] {
+            assert_eq!(
+                err(&format!(
+                    r#"{{"model":"m","token_ids":[1],"max_idle_s":{bad}}}"#
+                )),
+                "max_idle_s: expected a positive integer (seconds since an engine's last event)",
+                "max_idle_s {bad}"
+            );
+        }
     }
 
     #[test]

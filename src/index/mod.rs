@@ -180,6 +180,9 @@ pub struct Index {
     config: IndexSettings,
     /// The block size each (tenant, model) stores token chains with (`block_sizes.rs`).
     block_sizes: BlockSizes,
+    /// When this index was created (kvindex clock): engines loaded from disk and silent since
+    /// count as heard then.
+    created_us: i64,
 }
 
 impl Index {
@@ -194,6 +197,7 @@ impl Index {
                 ..config
             },
             block_sizes: BlockSizes::default(),
+            created_us: crate::util::now_us(),
         }
     }
 
@@ -334,6 +338,18 @@ impl Index {
     /// [`Index::lookup_keys`] cut to the best `limit` engines, computed as such: each shard
     /// orders only the rows that can make the cut, and the merge stops at `limit`.
     pub fn lookup_keys_limited(&self, keys: &[u64], limit: usize) -> Answer {
+        self.lookup_keys_heard(keys, limit, None)
+    }
+
+    /// [`Index::lookup_keys_limited`] over the engines kvindex applied an event of at or after
+    /// `heard_since_us` (its own clock; an engine loaded from disk and silent since counts as
+    /// heard when this index was created). `None`: every engine.
+    pub fn lookup_keys_heard(
+        &self,
+        keys: &[u64],
+        limit: usize,
+        heard_since_us: Option<i64>,
+    ) -> Answer {
         let mut answer = Answer {
             rows: Vec::new(),
             names: Vec::with_capacity(self.shards.len()),
@@ -346,7 +362,14 @@ impl Index {
             let shard = s.read();
             // Each shard orders its own rows with integer keys (name ranks); only the merge
             // below compares names, and only between rows of two shards.
-            shard.lookup_sorted(keys, &mut raw, limit);
+            match heard_since_us {
+                None => shard.lookup_sorted(keys, &mut raw, limit),
+                Some(since) => {
+                    shard.lookup_sorted(keys, &mut raw, usize::MAX);
+                    raw.retain(|m| shard.engine_heard_us(m.engine, self.created_us) >= since);
+                    raw.truncate(limit);
+                }
+            }
             answer.names.push(shard.engine_names().clone());
             runs.push(answer.rows.len());
             answer.rows.reserve(raw.len());
@@ -371,8 +394,19 @@ impl Index {
         blocks: &QueryBlocks,
         limit: usize,
     ) -> (usize, Answer) {
+        self.lookup_heard(partition, blocks, limit, None)
+    }
+
+    /// [`Index::query_keys`] then [`Index::lookup_keys_heard`].
+    pub fn lookup_heard(
+        &self,
+        partition: &PartitionKey,
+        blocks: &QueryBlocks,
+        limit: usize,
+        heard_since_us: Option<i64>,
+    ) -> (usize, Answer) {
         let keys = self.query_keys(partition, blocks);
-        let rows = self.lookup_keys_limited(&keys, limit);
+        let rows = self.lookup_keys_heard(&keys, limit, heard_since_us);
         (keys.len(), rows)
     }
 

@@ -601,3 +601,29 @@ fn producer_seq_regressions_are_counted_per_engine() {
         assert_eq!(index.stats().seq_regressions, 2);
     }
 }
+
+#[test]
+fn lookups_can_leave_out_engines_not_heard_from_lately() {
+    for index in indexes() {
+        let now = kvindex::util::now_us();
+        // `a` last heard 100 s ago, `b` just now (kvindex's clock: the `now` it applied at).
+        index
+            .apply(&store("a", part(""), 1, 0, 3, Tier::Gpu), now - 100_000_000)
+            .unwrap();
+        index
+            .apply(&store("b", part(""), 1, 0, 2, Tier::Gpu), now)
+            .unwrap();
+        let blocks = QueryBlocks::Tokens {
+            token_ids: tokens(1, 3),
+            block_size: BS,
+        };
+        let all = index.lookup(&part(""), &blocks).1.to_vec();
+        assert_eq!(all.len(), 2);
+        let recent = index
+            .lookup_heard(&part(""), &blocks, usize::MAX, Some(now - 10_000_000))
+            .1
+            .to_vec();
+        let ids: Vec<&str> = recent.iter().map(|r| r.engine_id.as_ref()).collect();
+        assert_eq!(ids, ["b"]);
+    }
+}

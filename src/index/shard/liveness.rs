@@ -45,6 +45,14 @@ impl Shard {
             .collect()
     }
 
+    /// When kvindex last applied an event of engine `eid` (its own clock), or `loaded_us` if
+    /// none since this process loaded it.
+    pub fn engine_heard_us(&self, eid: u32, loaded_us: i64) -> i64 {
+        self.engines
+            .get(eid as usize)
+            .map_or(loaded_us, |e| heard(e, loaded_us))
+    }
+
     /// Whether the shard knows `engine` (it stored or was heard from here).
     pub fn knows_engine(&self, engine: &str) -> bool {
         self.engine_ids.contains_key(engine)
