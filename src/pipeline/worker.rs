@@ -98,7 +98,9 @@ pub(super) struct Worker {
     /// The shard's bounded-L1 duty.
     spill: ShardSpill,
     /// When this worker started (engines loaded from disk count as heard then).
-    started_us: i64,
+    /// Since when (kvindex clock) the sources have been caught up without a break: silence
+    /// counts from here at the earliest, so a backlog, however long, is never silence.
+    caught_up_since_us: Option<i64>,
     next_sweep: Instant,
     /// Pauses between retries of an event whose L2 read failed.
     read_backoff: crate::util::Backoff,
@@ -118,7 +120,7 @@ impl Worker {
             applied_since_commit: 0,
             commit_warnings: LogEvery::new(COMMIT_WARN_EVERY),
             spill,
-            started_us: now_us(),
+            caught_up_since_us: None,
             next_sweep: Instant::now(),
             read_backoff: crate::util::Backoff::new(
                 Duration::from_millis(50),
@@ -271,13 +273,18 @@ impl Worker {
     }
 
     /// Clears every engine of the shard that no event has reached for `index.engine_ttl_s`
-    /// (kvindex's clock), once the sources have caught up. The clears go through the shard
+    /// (kvindex's clock) since the sources last caught up. The clears go through the shard
     /// like any `ALL_CLEARED` and are durable with the next commit.
     fn expire_silent_engines(&mut self) {
         let Some(ttl) = self.ctx.liveness.ttl else {
             return;
         };
-        if Instant::now() < self.next_sweep || !self.ctx.liveness.ready.load(Relaxed) {
+        if !self.ctx.liveness.ready.load(Relaxed) {
+            self.caught_up_since_us = None;
+            return;
+        }
+        let caught_up_since = *self.caught_up_since_us.get_or_insert_with(now_us);
+        if Instant::now() < self.next_sweep {
             return;
         }
         self.next_sweep =
@@ -288,7 +295,7 @@ impl Worker {
             .index
             .shard(self.shard)
             .read()
-            .silent_engines(cutoff, self.started_us);
+            .silent_engines(cutoff, caught_up_since);
         for engine in silent {
             let removed = self.forget_engine(&engine).unwrap_or(0);
             self.ctx.metrics.count_engine_expired();

@@ -9,12 +9,12 @@ use std::sync::Arc;
 
 impl Shard {
     /// Engines holding anything that no event has reached since `cutoff_us` (kvindex clock).
-    /// An engine not heard from since this process loaded it counts as heard at `loaded_us`,
-    /// so a restart gives every engine a full grace period.
-    pub fn silent_engines(&self, cutoff_us: i64, loaded_us: i64) -> Vec<Arc<str>> {
+    /// Every engine counts as heard at `grace_from_us` at the latest (when the sources caught
+    /// up), so a restart or a backlog gives every engine a full grace period.
+    pub fn silent_engines(&self, cutoff_us: i64, grace_from_us: i64) -> Vec<Arc<str>> {
         self.engines
             .iter()
-            .filter(|e| !e.parts.is_empty() && heard(e, loaded_us) < cutoff_us)
+            .filter(|e| !e.parts.is_empty() && e.heard_us.max(grace_from_us) < cutoff_us)
             .map(|e| e.name.clone())
             .collect()
     }
