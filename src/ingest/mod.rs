@@ -191,6 +191,8 @@ async fn drive<S: EventSource>(
         return;
     };
     tracing::info!(source = %name, kind = spec.kind(), "source started");
+    // Connected from now on, in the status too (not only after the first acknowledgement).
+    ctx.report.refresh(&source, &ctx.metrics);
     let progress = ctx.pipeline.progress().clone();
     let mut acked = BTreeMap::new();
     let mut last_ack = Instant::now();
