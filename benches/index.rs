@@ -94,6 +94,7 @@ fn bench_lookup(c: &mut Criterion) {
     let q = kvindex::index::QueryBlocks::Tokens {
         token_ids: tokens,
         block_size: BLOCK,
+        extras: Vec::new(),
     };
     let keys = index.query_keys(&partition, &q);
     let (_, rows) = index.lookup(&partition, &q);

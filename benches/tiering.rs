@@ -168,6 +168,7 @@ fn bench_tiered_lookup(c: &mut Criterion) {
                 &kvindex::index::QueryBlocks::Tokens {
                     token_ids: tokens(f),
                     block_size: BLOCK,
+                    extras: Vec::new(),
                 },
             )
         })

@@ -154,10 +154,18 @@ fn answer(state: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Answe
                         p.model, p.tenant
                     ))
                 })?;
+            let blocks = token_ids.len() / bs as usize;
+            let extras = crate::event::extra::request_extras(
+                blocks,
+                bs as usize,
+                &req.mm_inputs,
+                &req.cache_salt,
+            );
             (
                 QueryBlocks::Tokens {
                     token_ids,
                     block_size: bs,
+                    extras: crate::event::extra::digests(&extras),
                 },
                 Some(bs),
             )

@@ -8,6 +8,7 @@
 //! Unknown fields are ignored (forward compatibility); `null` counts as absent.
 
 use super::error::ApiError;
+use crate::event::extra::MmInput;
 use crate::event::{EngineHash, PartitionKey};
 use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use std::fmt;
@@ -17,6 +18,8 @@ use std::marker::PhantomData;
 pub const MAX_QUERY_TOKENS: usize = 1_000_000;
 /// Most block hashes one lookup may carry.
 pub const MAX_QUERY_HASHES: usize = 100_000;
+/// Most multimodal inputs one lookup may name.
+pub const MAX_MM_INPUTS: usize = 10_000;
 
 /// A validated lookup request.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -30,6 +33,10 @@ pub struct LookupRequest {
     /// Only engines kvindex applied an event of within this many seconds (its own clock);
     /// `None`: every engine.
     pub max_idle_s: Option<u64>,
+    /// The request's cache salt (empty: none); token lookups only.
+    pub cache_salt: String,
+    /// The request's multimodal inputs; token lookups only.
+    pub mm_inputs: Vec<MmInput>,
 }
 
 /// The blocks a lookup asks about.
@@ -86,6 +93,11 @@ struct RawLookup {
     limit: Scalar<Limit>,
     #[serde(default)]
     max_idle_s: Scalar<Seconds>,
+    #[serde(default)]
+    cache_salt: Scalar<String>,
+    /// Read as a value and checked by [`mm_inputs`]: a short list, never a hot path.
+    #[serde(default)]
+    mm_inputs: Option<serde_json::Value>,
 }
 
 const TOKEN_IDS_TYPE: &str = "token_ids: expected an array of unsigned 32-bit integers";
@@ -158,6 +170,13 @@ impl RawLookup {
                 ));
             }
         };
+        let cache_salt = optional_string(self.cache_salt.0, "cache_salt")?;
+        let mm_inputs = mm_inputs(self.mm_inputs)?;
+        if matches!(query, Query::Hashes(_)) && (!cache_salt.is_empty() || !mm_inputs.is_empty()) {
+            return Err(ApiError::bad_request(
+                "cache_salt and mm_inputs apply to token_ids lookups only (block_hashes already carry them)",
+            ));
+        }
         Ok(LookupRequest {
             partition: PartitionKey {
                 tenant,
@@ -168,8 +187,51 @@ impl RawLookup {
             block_size,
             limit,
             max_idle_s,
+            cache_salt,
+            mm_inputs,
         })
     }
+}
+
+/// `mm_inputs`: absent/`null`, or an array of `{"hash": non-empty string, "offset": u64,
+/// "length": u64 ≥ 1}` (placeholder token range of each input, counted from the first token).
+fn mm_inputs(value: Option<serde_json::Value>) -> Result<Vec<MmInput>, ApiError> {
+    const TYPE: &str = "mm_inputs: expected an array of {\"hash\": string, \"offset\": integer ≥ 0, \"length\": integer ≥ 1}";
+    let items = match value {
+        None | Some(serde_json::Value::Null) => return Ok(Vec::new()),
+        Some(serde_json::Value::Array(items)) => items,
+        Some(_) => return Err(ApiError::bad_request(TYPE)),
+    };
+    if items.len() > MAX_MM_INPUTS {
+        return Err(ApiError::bad_request(format!(
+            "mm_inputs: more than {MAX_MM_INPUTS} inputs"
+        )));
+    }
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, item)| {
+            let hash = item
+                .get("hash")
+                .and_then(|h| h.as_str())
+                .filter(|h| !h.is_empty());
+            let offset = item.get("offset").and_then(serde_json::Value::as_u64);
+            let length = item
+                .get("length")
+                .and_then(serde_json::Value::as_u64)
+                .filter(|&l| l > 0);
+            match (hash, offset, length) {
+                (Some(hash), Some(offset), Some(length)) => Ok(MmInput {
+                    hash: hash.to_string(),
+                    offset,
+                    length,
+                }),
+                _ => Err(ApiError::bad_request(format!(
+                    "{TYPE} (element {i} is not)"
+                ))),
+            }
+        })
+        .collect()
 }
 
 fn optional_string(f: Field<String>, name: &str) -> Result<String, ApiError> {

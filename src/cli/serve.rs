@@ -264,6 +264,7 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<()> {
             let blocks = QueryBlocks::Tokens {
                 token_ids: tokens.clone(),
                 block_size,
+                extras: Vec::new(),
             };
             let (_, rows) = index.lookup(partition, &blocks);
             let distinct: std::collections::BTreeSet<u32> =

@@ -42,7 +42,7 @@ fn json_value(ev: &Event) -> serde_json::Value {
     let type_name = pb::cache_event::Type::try_from(msg.r#type)
         .unwrap_or(pb::cache_event::Type::Unspecified)
         .as_str_name();
-    serde_json::json!({
+    let mut value = serde_json::json!({
         "type": type_name,
         "replica_id": msg.replica_id,
         "model_id": msg.model_id,
@@ -58,7 +58,23 @@ fn json_value(ev: &Event) -> serde_json::Value {
         "tier": ev.tier.as_str(),
         "seq": msg.seq,
         "dp_rank": msg.dp_rank,
-    })
+    });
+    if !ev.block_extras.is_empty() {
+        let extras: Vec<serde_json::Value> = ev
+            .block_extras
+            .iter()
+            .map(|x| {
+                serde_json::json!({
+                    "mm": x.mm.iter().map(|m| serde_json::json!({"hash": m.hash, "offset": m.offset})).collect::<Vec<_>>(),
+                    "cache_salt": x.cache_salt,
+                    "prompt_embeds": x.prompt_embeds.iter().map(hex::encode).collect::<Vec<_>>(),
+                    "other": x.other.iter().map(hex::encode).collect::<Vec<_>>(),
+                })
+            })
+            .collect();
+        value["block_extra_keys"] = serde_json::Value::Array(extras);
+    }
+    value
 }
 
 /// vLLM msgpack in the named-map form vLLM 0.34 writes:
@@ -92,7 +108,8 @@ pub fn to_vllm(events: &[Event], dp_rank: u32) -> Vec<u8> {
                     } => (token_ids, *block_size),
                     BlockContent::HashesOnly | BlockContent::Digests(_) => (&[], 0),
                 };
-                w.map(8);
+                let extra_keys = !ev.block_extras.is_empty() || !adapter.is_empty();
+                w.map(if extra_keys { 9 } else { 8 });
                 w.str("type");
                 w.str("BlockStored");
                 w.str("block_hashes");
@@ -115,6 +132,10 @@ pub fn to_vllm(events: &[Event], dp_rank: u32) -> Vec<u8> {
                 w.str(medium(ev.tier));
                 w.str("lora_name");
                 w.opt_str(adapter);
+                if extra_keys {
+                    w.str("extra_keys");
+                    w.extra_keys(ev);
+                }
             }
             EventKind::Removed => {
                 w.map(if adapter.is_empty() { 3 } else { 4 });
@@ -223,6 +244,56 @@ impl MsgpackWriter {
         } else {
             self.buf.push(0xcf);
             self.buf.extend_from_slice(&v.to_be_bytes());
+        }
+    }
+
+    fn int(&mut self, v: i64) {
+        match u64::try_from(v) {
+            Ok(u) => self.uint(u),
+            Err(_) => {
+                self.buf.push(0xd3);
+                self.buf.extend_from_slice(&v.to_be_bytes());
+            }
+        }
+    }
+
+    fn bin(&mut self, b: &[u8]) {
+        self.header(b.len(), 0, 0, 0xc5, 0xc6);
+        self.buf.extend_from_slice(b);
+    }
+
+    /// vLLM's `extra_keys` in the bare-value form its releases write: per block nil, or
+    /// `[lora_name?, [mm_hash, offset]..., cache_salt?, prompt_embeds...]` (the LoRA name on
+    /// every block of an adapter's event, as vLLM keys them).
+    fn extra_keys(&mut self, ev: &Event) {
+        let adapter = ev.partition.adapter.as_str();
+        let none = crate::event::BlockExtras::default();
+        self.array(ev.block_hashes.len());
+        for i in 0..ev.block_hashes.len() {
+            let x = ev.block_extras.get(i).unwrap_or(&none);
+            let len = usize::from(!adapter.is_empty())
+                + x.mm.len()
+                + usize::from(!x.cache_salt.is_empty())
+                + x.prompt_embeds.len();
+            if len == 0 {
+                self.nil();
+                continue;
+            }
+            self.array(len);
+            if !adapter.is_empty() {
+                self.str(adapter);
+            }
+            for m in &x.mm {
+                self.array(2);
+                self.str(&m.hash);
+                self.int(m.offset);
+            }
+            if !x.cache_salt.is_empty() {
+                self.str(&x.cache_salt);
+            }
+            for e in &x.prompt_embeds {
+                self.bin(e);
+            }
         }
     }
 

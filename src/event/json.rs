@@ -154,6 +154,7 @@ enum Key {
     Tier,
     Seq,
     DpRank,
+    BlockExtraKeys,
     Other,
 }
 
@@ -175,6 +176,7 @@ impl Key {
             "tier" => Key::Tier,
             "seq" => Key::Seq,
             "dp_rank" => Key::DpRank,
+            "block_extra_keys" => Key::BlockExtraKeys,
             _ => Key::Other,
         }
     }
@@ -196,6 +198,7 @@ impl Key {
             Key::Tier => "tier",
             Key::Seq => "seq",
             Key::DpRank => "dp_rank",
+            Key::BlockExtraKeys => "block_extra_keys",
             Key::Other => "",
         }
     }
@@ -247,6 +250,48 @@ impl<'de> de::Deserialize<'de> for HashBytes {
             }
         }
         d.deserialize_any(HashVisitor)
+    }
+}
+
+/// One entry of `block_extra_keys` (`null` entries and fields read as empty).
+#[derive(serde::Deserialize)]
+struct JsonExtras {
+    #[serde(default)]
+    mm: Option<Vec<JsonMultimodal>>,
+    #[serde(default)]
+    cache_salt: Option<String>,
+    #[serde(default)]
+    prompt_embeds: Option<Vec<HashBytes>>,
+    #[serde(default)]
+    other: Option<Vec<HashBytes>>,
+}
+
+#[derive(serde::Deserialize)]
+struct JsonMultimodal {
+    hash: String,
+    offset: i64,
+}
+
+impl JsonExtras {
+    fn into_pb(self) -> pb::BlockExtraKeys {
+        pb::BlockExtraKeys {
+            mm: or_default(self.mm)
+                .into_iter()
+                .map(|m| pb::block_extra_keys::Multimodal {
+                    hash: m.hash,
+                    offset: m.offset,
+                })
+                .collect(),
+            cache_salt: or_default(self.cache_salt),
+            prompt_embeds: or_default(self.prompt_embeds)
+                .into_iter()
+                .map(|b| b.0.into())
+                .collect(),
+            other: or_default(self.other)
+                .into_iter()
+                .map(|b| b.0.into())
+                .collect(),
+        }
     }
 }
 
@@ -309,6 +354,13 @@ impl<'de> Visitor<'de> for EventSeed<'_> {
                 }
                 Key::Seq => msg.seq = or_default(map.next_value()?),
                 Key::DpRank => msg.dp_rank = or_default(map.next_value()?),
+                Key::BlockExtraKeys => {
+                    let extras: Option<Vec<Option<JsonExtras>>> = map.next_value()?;
+                    msg.block_extra_keys = or_default(extras)
+                        .into_iter()
+                        .map(|x| x.map(JsonExtras::into_pb).unwrap_or_default())
+                        .collect();
+                }
                 Key::Other => {}
             }
             self.failed_field.set(None);

@@ -6,12 +6,14 @@
 
 pub mod decode;
 pub mod encode;
+pub mod extra;
 pub mod json;
 pub mod proto;
 mod proto_fast;
 pub mod vllm;
 
 pub use decode::{DecodeSettings, Decoded, Format, VllmSettings, decode_payload};
+pub use extra::{BlockExtras, MmKey};
 
 use std::fmt;
 
@@ -159,6 +161,9 @@ pub struct Event {
     /// Engine hash of the block before `block_hashes[0]`; `None` for a root chain.
     pub parent_hash: Option<EngineHash>,
     pub content: BlockContent,
+    /// Per-block extra keys (multimodal inputs, cache salt, ...; see [`extra`]): empty when
+    /// no block has any, else one per block of `block_hashes`. Only stores read them.
+    pub block_extras: Vec<BlockExtras>,
     pub tier: Tier,
     pub timestamp_us: i64,
     /// Producer sequence number, per replica (0 when the producer has none).
@@ -176,6 +181,7 @@ impl Event {
             block_hashes: Vec::new(),
             parent_hash: None,
             content: BlockContent::HashesOnly,
+            block_extras: Vec::new(),
             tier: Tier::Gpu,
             timestamp_us: 0,
             seq: 0,

@@ -17,7 +17,8 @@
 //!    batch's error is returned (it is the more meaningful one for a body starting `0x0a`).
 
 use super::{
-    BlockContent, DecodeError, EngineHash, Event, EventKind, PartitionKey, Tier, engine_id,
+    BlockContent, BlockExtras, DecodeError, EngineHash, Event, EventKind, MmKey, PartitionKey,
+    Tier, engine_id,
 };
 use prost::Message;
 use smallvec::SmallVec;
@@ -228,6 +229,7 @@ pub fn from_pb(msg: pb::CacheEvent) -> Result<Event, DecodeError> {
         tier,
         seq,
         dp_rank,
+        block_extra_keys,
     } = msg;
     EventFields {
         r#type,
@@ -245,8 +247,49 @@ pub fn from_pb(msg: pb::CacheEvent) -> Result<Event, DecodeError> {
         tier,
         seq,
         dp_rank,
+        block_extras: block_extra_keys.into_iter().map(extras_from_pb).collect(),
     }
     .into_event()
+}
+
+fn extras_from_pb(pb: pb::BlockExtraKeys) -> BlockExtras {
+    BlockExtras {
+        mm: pb
+            .mm
+            .into_iter()
+            .map(|m| MmKey {
+                hash: m.hash,
+                offset: m.offset,
+            })
+            .collect(),
+        cache_salt: pb.cache_salt,
+        prompt_embeds: pb.prompt_embeds.into_iter().map(|b| b.to_vec()).collect(),
+        other: pb.other.into_iter().map(|b| b.to_vec()).collect(),
+    }
+}
+
+fn extras_to_pb(extras: &BlockExtras) -> pb::BlockExtraKeys {
+    pb::BlockExtraKeys {
+        mm: extras
+            .mm
+            .iter()
+            .map(|m| pb::block_extra_keys::Multimodal {
+                hash: m.hash.clone(),
+                offset: m.offset,
+            })
+            .collect(),
+        cache_salt: extras.cache_salt.clone(),
+        prompt_embeds: extras
+            .prompt_embeds
+            .iter()
+            .map(|b| bytes::Bytes::copy_from_slice(b))
+            .collect(),
+        other: extras
+            .other
+            .iter()
+            .map(|b| bytes::Bytes::copy_from_slice(b))
+            .collect(),
+    }
 }
 
 /// Inline capacity of [`EventFields::block_hashes`]: chains up to this long need no heap.
@@ -275,6 +318,8 @@ pub(crate) struct EventFields<'a, S> {
     pub tier: i32,
     pub seq: u64,
     pub dp_rank: u32,
+    /// Per-block extra keys (the prost path only: the fast path leaves such events to prost).
+    pub block_extras: Vec<BlockExtras>,
 }
 
 impl<S: AsRef<str> + Into<String>> EventFields<'_, S> {
@@ -297,6 +342,20 @@ impl<S: AsRef<str> + Into<String>> EventFields<'_, S> {
         let parent_hash =
             (!self.parent_hash.is_empty()).then(|| EngineHash::from_bytes(self.parent_hash));
         let content = content_from_tokens(self.token_ids, self.block_size, block_hashes.len())?;
+        let block_extras = if self.block_extras.iter().all(BlockExtras::is_empty) {
+            Vec::new()
+        } else if self.block_extras.len() != block_hashes.len() {
+            return Err(DecodeError::Field {
+                field: "block_extra_keys",
+                reason: format!(
+                    "{} entries for {} blocks",
+                    self.block_extras.len(),
+                    block_hashes.len()
+                ),
+            });
+        } else {
+            self.block_extras
+        };
         if self.model_id.as_ref().is_empty() && needs_model(kind) {
             return Err(DecodeError::Field {
                 field: "model_id",
@@ -329,6 +388,7 @@ impl<S: AsRef<str> + Into<String>> EventFields<'_, S> {
             block_hashes,
             parent_hash,
             content,
+            block_extras,
             tier: tier_from_i32(self.tier),
             timestamp_us: self.timestamp_us,
             seq: self.seq,
@@ -402,5 +462,6 @@ pub fn to_pb(ev: &Event) -> pb::CacheEvent {
         tier: tier_to_i32(ev.tier),
         seq: ev.seq,
         dp_rank,
+        block_extra_keys: ev.block_extras.iter().map(extras_to_pb).collect(),
     }
 }

@@ -94,8 +94,9 @@ fn read_field<'a>(
         (13, VARINT) => f.tier = w.varint()? as i32,
         (14, VARINT) => f.seq = w.varint()?,
         (15, VARINT) => f.dp_rank = w.varint()? as u32,
-        // A known field with the wrong wire type: prost's error.
-        (1..=15, _) => return None,
+        // Per-block extra keys are rare: prost reads them. A known field with the wrong wire
+        // type is prost's error.
+        (1..=16, _) => return None,
         (_, wire_type) => w.skip(wire_type)?,
     }
     Some(())

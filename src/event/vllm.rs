@@ -17,9 +17,10 @@
 //! [`EngineHash`]. `medium` is `GPU`/`CPU`/`STORAGE`/`DISK` (nil or unknown → GPU). Of a hybrid
 //! model's KV-cache groups (`group_idx`, `kv_cache_spec_kind`) only the full-attention group is
 //! indexed; events of other groups are dropped as [`DecodeError::OtherKvGroup`] (see
-//! [`indexed_group`]). Unknown and newer fields (`extra_keys`, `locality`, `session_id`, ...)
-//! are skipped; an
-//! unknown event tag becomes an [`EventKind::Unknown(-1)`](EventKind::Unknown) event.
+//! [`indexed_group`]). A block's extra keys (vLLM `extra_keys`, SGLang `metadata.cache_salt`)
+//! become [`Event::block_extras`] (`vllm/extra_keys.rs`). Unknown and newer fields
+//! (`locality`, `session_id`, ...) are skipped; an unknown event tag becomes an
+//! [`EventKind::Unknown(-1)`](EventKind::Unknown) event.
 //!
 //! vLLM payloads name neither engine nor model: the engine comes from [`Envelope::engine`]
 //! (suffixed with the batch's dp rank, see [`engine_id`]), model and tenant from the envelope
@@ -44,6 +45,8 @@ use super::{
 };
 use smallvec::SmallVec;
 use std::collections::{HashMap, HashSet};
+
+mod extra_keys;
 use std::sync::{LazyLock, Mutex, PoisonError};
 
 /// Deepest array/map nesting accepted anywhere in a payload (vLLM needs about 6).
@@ -269,6 +272,10 @@ struct RawEvent<'a> {
     /// (`kv_cache_spec_kind`); see [`indexed_group`].
     group_idx: Option<i64>,
     group_kind: Option<&'a str>,
+    /// vLLM's per-block `extra_keys`, unresolved (see `extra_keys.rs`).
+    extra_keys: Vec<extra_keys::RawBlockKeys<'a>>,
+    /// SGLang's `metadata.cache_salt`.
+    sglang_salt: Option<&'a str>,
 }
 
 /// Whether blocks of this KV-cache group are indexed: only the full-attention group, as
@@ -320,8 +327,15 @@ impl RawEvent<'_> {
         let mut ev = Event::new(kind, "", partition(adapter));
         ev.tier = tier;
         if kind == EventKind::Stored {
-            ev.content =
-                content_from_tokens(self.token_ids, self.block_size, self.block_hashes.len())?;
+            let blocks = self.block_hashes.len();
+            ev.content = content_from_tokens(self.token_ids, self.block_size, blocks)?;
+            ev.block_extras = extra_keys::resolve(
+                self.extra_keys,
+                adapter,
+                self.sglang_salt,
+                self.parent.is_none(),
+                blocks,
+            )?;
             ev.parent_hash = self.parent;
         } else {
             ev.content = BlockContent::HashesOnly;
@@ -736,19 +750,18 @@ impl<'a> Reader<'a> {
                 if fields > 6 {
                     // vLLM's `lora_name` (a string or nil), or SGLang's
                     // `BlockStoredWithMetadata` `metadata` map (`{"cache_salt": ...}`) in the
-                    // same place: told apart by type; the map is skipped (its salt is already
-                    // in SGLang's block hashes).
+                    // same place: told apart by type.
                     let at = self.pos;
                     if matches!(self.next()?, Mp::Map(_)) {
                         self.pos = at;
-                        self.skip(3)?;
+                        raw.sglang_salt = self.sglang_metadata()?;
                     } else {
                         self.pos = at;
                         raw.lora_name = self.opt_str("lora_name")?;
                     }
                 }
                 if fields > 7 {
-                    self.skip(3)?; // extra_keys
+                    raw.extra_keys = self.extra_keys()?;
                 }
                 if fields > 8 {
                     raw.group_idx = self.opt_i64("group_idx")?;
@@ -827,6 +840,8 @@ impl<'a> Reader<'a> {
                     raw.lora_name = self.opt_str("lora_name")?
                 }
                 (Tag::Stored | Tag::Removed, b"medium") => raw.medium = self.opt_str("medium")?,
+                (Tag::Stored, b"extra_keys") => raw.extra_keys = self.extra_keys()?,
+                (Tag::Stored, b"metadata") => raw.sglang_salt = self.sglang_metadata()?,
                 (Tag::Stored | Tag::Removed, b"group_idx") => {
                     raw.group_idx = self.opt_i64("group_idx")?
                 }

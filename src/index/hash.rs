@@ -13,6 +13,7 @@ use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 const CHAIN_SALT: u64 = 0x9e37_79b9_7f4a_7c15;
 const CONTENT_SALT: u64 = 0xc2b2_ae3d_27d4_eb4f;
 const RAW_SALT: u64 = 0x1656_67b1_9e37_79f9;
+const EXTRA_SALT: u64 = 0x27d4_eb2f_1656_67c5;
 
 /// wyhash's 128-bit multiply-fold: a full-avalanche mix of two words in about a nanosecond.
 #[inline(always)]
@@ -64,6 +65,18 @@ pub fn partition_seed(seed: u64, partition: &PartitionKey) -> u64 {
     xxh3_64_with_seed(&buf, seed)
 }
 
+/// The content digest of a block whose tokens digest to `tokens` and whose extra keys (see
+/// `event::extra`) digest to `extras`: a block without extras (0) keeps its token digest, so
+/// its key is the one it always had.
+#[inline(always)]
+pub fn with_extras(tokens: u64, extras: u64) -> u64 {
+    if extras == 0 {
+        tokens
+    } else {
+        fold_mul(tokens ^ EXTRA_SALT, extras)
+    }
+}
+
 /// Chain keys for consecutive content digests, starting after `prev`.
 pub fn chain_keys(prev: u64, digests: impl IntoIterator<Item = u64>, out: &mut Vec<u64>) {
     let mut key = prev;
@@ -74,16 +87,29 @@ pub fn chain_keys(prev: u64, digests: impl IntoIterator<Item = u64>, out: &mut V
 }
 
 /// Chain keys for every full block of `token_ids` (a trailing partial block is not keyed:
-/// engines only cache full blocks).
-pub fn token_chain_keys(prev: u64, token_ids: &[u32], block_size: usize, out: &mut Vec<u64>) {
+/// engines only cache full blocks). `extras` holds each block's extras digest, or is empty
+/// when no block has extras.
+pub fn token_chain_keys(
+    prev: u64,
+    token_ids: &[u32],
+    block_size: usize,
+    extras: &[u64],
+    out: &mut Vec<u64>,
+) {
     if block_size == 0 {
         return;
     }
-    chain_keys(
-        prev,
-        token_ids.chunks_exact(block_size).map(token_digest),
-        out,
-    );
+    let digests = token_ids.chunks_exact(block_size).map(token_digest);
+    if extras.is_empty() {
+        chain_keys(prev, digests, out);
+    } else {
+        let extra = extras.iter().copied().chain(std::iter::repeat(0));
+        chain_keys(
+            prev,
+            digests.zip(extra).map(|(t, e)| with_extras(t, e)),
+            out,
+        );
+    }
 }
 
 /// A `BuildHasher` for u64 keys: one multiply-fold, enough to spread well-mixed or sequential
@@ -157,7 +183,7 @@ mod tests {
     #[test]
     fn token_keys_cover_full_blocks_only() {
         let mut out = Vec::new();
-        token_chain_keys(1, &[1, 2, 3, 4, 5], 2, &mut out);
+        token_chain_keys(1, &[1, 2, 3, 4, 5], 2, &[], &mut out);
         assert_eq!(out.len(), 2);
         let mut again = Vec::new();
         chain_keys(
@@ -166,5 +192,23 @@ mod tests {
             &mut again,
         );
         assert_eq!(out, again);
+    }
+
+    #[test]
+    fn extras_change_a_block_and_every_block_after_it() {
+        let tokens = [1, 2, 3, 4, 5, 6];
+        let mut plain = Vec::new();
+        token_chain_keys(1, &tokens, 2, &[], &mut plain);
+        let mut zeros = Vec::new();
+        token_chain_keys(1, &tokens, 2, &[0, 0, 0], &mut zeros);
+        assert_eq!(plain, zeros, "no extras keep the keys blocks always had");
+        let mut salted = Vec::new();
+        token_chain_keys(1, &tokens, 2, &[0, 9, 0], &mut salted);
+        assert_eq!(salted[0], plain[0]);
+        assert_ne!(salted[1], plain[1]);
+        assert_ne!(
+            salted[2], plain[2],
+            "a changed block changes its descendants"
+        );
     }
 }

@@ -61,9 +61,12 @@ impl From<&crate::config::IndexConfig> for IndexSettings {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum QueryBlocks {
     /// Token ids; every full block of `block_size` is keyed like a stored token chain.
+    /// `extras` holds each block's extras digest (`event::extra`: a request's multimodal
+    /// inputs and cache salt), or is empty when the request has none.
     Tokens {
         token_ids: Vec<u32>,
         block_size: u32,
+        extras: Vec<u64>,
     },
     /// Raw producer hashes, as hash-only producers store them.
     Hashes(Vec<EngineHash>),
@@ -271,6 +274,11 @@ impl Index {
         }
     }
 
+    /// Whether lookups found blocks only in shard `i`'s L2 that wait to be restored.
+    pub fn has_promotions(&self, i: usize) -> bool {
+        self.shards[i].read().has_promotions()
+    }
+
     /// The blocks lookups found only in shard `i`'s L2 since the last call
     /// (`restore_on_read`).
     pub fn take_promotions(&self, i: usize) -> Vec<u64> {
@@ -322,7 +330,8 @@ impl Index {
             QueryBlocks::Tokens {
                 token_ids,
                 block_size,
-            } => hash::token_chain_keys(seed, token_ids, *block_size as usize, &mut keys),
+                extras,
+            } => hash::token_chain_keys(seed, token_ids, *block_size as usize, extras, &mut keys),
             QueryBlocks::Hashes(hashes) => keys.extend(hashes.iter().map(|h| hash::raw(seed, h.0))),
             QueryBlocks::Digests(d) => hash::chain_keys(seed, d.iter().copied(), &mut keys),
         }

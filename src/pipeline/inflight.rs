@@ -66,6 +66,10 @@ pub fn event_bytes(ev: &Event) -> u64 {
         + ev.partition.model.len()
         + ev.partition.adapter.len()
         + ev.block_hashes.len() * 8
+        + ev.block_extras
+            .iter()
+            .map(|x| x.heap_bytes() + 96)
+            .sum::<usize>()
         + content) as u64
 }
 

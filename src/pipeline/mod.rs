@@ -412,15 +412,24 @@ impl Pipeline {
 /// Sources position their partitions from the store's durable offsets, and have everything
 /// applied persisted before they release a partition.
 impl Checkpoints for Pipeline {
+    /// A stored offset that cannot be read is retried (backing off up to 5 s) until it can:
+    /// positioning from the configured start instead could skip events for good (`latest`)
+    /// or re-apply them. The source's assignment waits meanwhile. Only a closing pipeline
+    /// gives up (it applies nothing more).
     fn next_offset(&self, source: &str, partition: i32) -> Option<i64> {
-        match self.store.next_offset(source, partition) {
-            Ok(o) => o,
-            Err(e) => {
-                // Positioning from the configured start could re-apply or skip events; a
-                // store that cannot be read is reported and treated as "no checkpoint" only
-                // by the source's own divergence checks, so log loudly.
-                tracing::error!(source, partition, error = %e, "cannot read the stored offset");
-                None
+        let mut pause = std::time::Duration::from_millis(50);
+        loop {
+            match self.store.next_offset(source, partition) {
+                Ok(o) => return o,
+                Err(e) if self.closing.load(Relaxed) => {
+                    tracing::warn!(source, partition, error = %e, "cannot read the stored offset while closing");
+                    return None;
+                }
+                Err(e) => {
+                    tracing::error!(source, partition, error = %e, retry_in_ms = pause.as_millis() as u64, "cannot read the stored offset; the partition waits until it can");
+                    std::thread::sleep(pause);
+                    pause = (pause * 2).min(std::time::Duration::from_secs(5));
+                }
             }
         }
     }

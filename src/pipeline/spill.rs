@@ -6,7 +6,9 @@
 //! What a shard worker does with its [`ShardSpill`] (see `worker.rs`):
 //! - after each batch of events and each commit: [`ShardSpill::maintain`] (an eviction pass
 //!   above the high watermark, the periodic backup flush when due, then the restores lookups
-//!   asked for);
+//!   asked for), whenever [`ShardSpill::has_work`] only right after a successful checkpoint
+//!   commit: so every entry it writes back or drops is clean (its row and the offsets that
+//!   cover it are already in one committed batch) and L2 never runs ahead of the offsets;
 //! - its checkpoint commits go through [`ShardSpill::breaker`] too: the commit is the main
 //!   writer of L2, so while RocksDB fails, commits back off like write-back batches do;
 //! - while [`ShardSpill::must_pause`] (L1 at its hard cap, the breaker open) it stops taking
@@ -147,6 +149,12 @@ impl ShardSpill {
     /// L1 is at its hard cap: take no events until a [`maintain`](Self::maintain) frees room.
     pub fn must_pause(&self) -> bool {
         self.controller.must_pause()
+    }
+
+    /// Whether [`maintain`](Self::maintain) has anything to write or drop: eviction, a
+    /// backup flush, or restores (which may evict to make room).
+    pub fn has_work(&self) -> bool {
+        self.controller.has_work() || self.index.has_promotions(self.shard)
     }
 
     /// Eviction above the high watermark, the backup flush when due, then restores.

@@ -160,7 +160,7 @@ impl Worker {
             if Instant::now() >= self.next_commit {
                 self.commit();
             }
-            self.spill.maintain();
+            self.maintain_spill();
             if self.spill.must_pause() {
                 std::thread::sleep(Duration::from_millis(20));
             }
@@ -200,7 +200,7 @@ impl Worker {
             {
                 self.commit();
             }
-            self.spill.maintain();
+            self.maintain_spill();
         }
         // Shutdown: make what was applied durable.
         self.commit();
@@ -379,6 +379,19 @@ impl Worker {
         }
         for (local, durable) in partitions {
             shard.learn_durable_partition(local, durable);
+        }
+    }
+
+    /// The spill's maintenance, committing first whenever it has work: what it then writes
+    /// back or drops is clean, so L2 holds only committed values and after any crash a
+    /// shard's rows are exactly its state at its stored offsets. If that commit fails (L2
+    /// down), nothing is evicted: L1 grows to its hard cap and the worker pauses.
+    fn maintain_spill(&mut self) {
+        if !self.spill.has_work() {
+            return;
+        }
+        if self.commit() {
+            self.spill.maintain();
         }
     }
 

@@ -63,6 +63,10 @@ pub struct FleetSettings {
     pub seed: u64,
     /// One engine restart (`AllCleared`) per this many requests on average; 0 = never.
     pub clear_every: u64,
+    /// Engines publish the number of the cache slot a block occupies as its hash (a slot freed
+    /// by an eviction or a restart is reused for other content), as engines that name blocks
+    /// by their physical id do, instead of a content hash.
+    pub reuse_hashes: bool,
 }
 
 impl Default for FleetSettings {
@@ -76,6 +80,7 @@ impl Default for FleetSettings {
             capacity_blocks: 4096,
             seed: 1,
             clear_every: 5000,
+            reuse_hashes: false,
         }
     }
 }
@@ -142,14 +147,27 @@ struct EngineCache {
     nodes: HashMap<u64, Node>,
     /// (tick, deeper first, hash): the first element is the next victim.
     lru: BTreeSet<(u64, Reverse<u32>, u64)>,
+    /// With [`FleetSettings::reuse_hashes`]: the slot each held block occupies, and the free
+    /// slots (lowest first, so freed slots are reused soon).
+    slots: Option<(HashMap<u64, u64>, BTreeSet<u64>)>,
 }
 
 impl EngineCache {
-    fn new(capacity: usize) -> EngineCache {
+    fn new(capacity: usize, reuse_hashes: bool) -> EngineCache {
+        let capacity = capacity.max(1);
         EngineCache {
-            capacity: capacity.max(1),
+            capacity,
             nodes: HashMap::new(),
             lru: BTreeSet::new(),
+            slots: reuse_hashes.then(|| (HashMap::new(), (1..=capacity as u64).collect())),
+        }
+    }
+
+    /// The hash the engine publishes for the held block of content hash `h`.
+    fn published(&self, h: u64) -> u64 {
+        match &self.slots {
+            Some((held, _)) => held.get(&h).copied().unwrap_or(0),
+            None => h,
         }
     }
 
@@ -176,10 +194,18 @@ impl EngineCache {
         }
     }
 
-    /// Evicts the least recently used leaf: its hash and adapter.
+    /// Evicts the least recently used leaf: its published hash and adapter.
     fn evict_one(&mut self) -> Option<(u64, u16)> {
         let (_, _, h) = self.lru.pop_first()?;
         let node = self.nodes.remove(&h)?;
+        let h = match &mut self.slots {
+            Some((held, free)) => {
+                let slot = held.remove(&h).unwrap_or(0);
+                free.insert(slot);
+                slot
+            }
+            None => h,
+        };
         debug_assert_eq!(node.children, 0, "LRU order evicts leaves first");
         if let Some(p) = node.parent.and_then(|p| self.nodes.get_mut(&p)) {
             p.children -= 1;
@@ -190,6 +216,11 @@ impl EngineCache {
     fn insert(&mut self, hash: u64, parent: Option<u64>, adapter: u16, depth: u32, tick: u64) {
         if let Some(p) = parent.and_then(|p| self.nodes.get_mut(&p)) {
             p.children += 1;
+        }
+        if let Some((held, free)) = &mut self.slots
+            && let Some(slot) = free.pop_first()
+        {
+            held.insert(hash, slot);
         }
         self.nodes.insert(
             hash,
@@ -209,6 +240,9 @@ impl EngineCache {
         let n = self.nodes.len();
         self.nodes.clear();
         self.lru.clear();
+        if let Some((held, free)) = &mut self.slots {
+            free.extend(held.drain().map(|(_, slot)| slot));
+        }
         n
     }
 }
@@ -513,7 +547,7 @@ impl Fleet {
             .map(|i| Engine {
                 name: format!("engine-{i:03}"),
                 deployment: 0,
-                cache: EngineCache::new(cfg.capacity_blocks),
+                cache: EngineCache::new(cfg.capacity_blocks, cfg.reuse_hashes),
                 seed: engine_seed(cfg.seed, i, 0),
                 restarts: 0,
                 seq: 0,
@@ -700,13 +734,14 @@ impl Fleet {
             let parent = i.checked_sub(1).map(|p| hashes[p]);
             cache.insert(hash, parent, req.adapter as u16, i as u32, tick);
         }
+        let published: Vec<u64> = hashes.iter().map(|&h| cache.published(h)).collect();
         let mut ev = Event::new(
             EventKind::Stored,
             self.engines[e].name.clone(),
             req.partition.clone(),
         );
-        ev.block_hashes = hashes[hit..].iter().map(|&h| EngineHash(h)).collect();
-        ev.parent_hash = hit.checked_sub(1).map(|p| EngineHash(hashes[p]));
+        ev.block_hashes = published[hit..].iter().map(|&h| EngineHash(h)).collect();
+        ev.parent_hash = hit.checked_sub(1).map(|p| EngineHash(published[p]));
         ev.content = BlockContent::Tokens {
             token_ids: req.tokens[hit * bs..blocks * bs].to_vec(),
             block_size: bs as u32,

@@ -275,6 +275,18 @@ impl<L: SpillL1, S: L2Sink> SpillController<L, S> {
         self.l1.bytes_used() >= self.settings.cap_bytes()
     }
 
+    /// Whether [`maintain`](Self::maintain) would write or drop anything now: L1 above its
+    /// high watermark (or at the cap), or a backup flush due. Its owner can commit first, so
+    /// that what leaves L1 is already durable with its offsets.
+    pub fn has_work(&self) -> bool {
+        let used = self.l1.bytes_used();
+        let flush_due = self.settings.periodic_flush_interval.is_some()
+            && self
+                .next_flush
+                .is_none_or(|due| self.breaker.clock().now() >= due);
+        used > self.settings.high_bytes() || used >= self.settings.cap_bytes() || flush_due
+    }
+
     /// The periodic duty: an eviction pass if above the high watermark, then a backup flush if
     /// one is due. Call it after each commit and while paused.
     pub fn maintain(&mut self) -> (EvictReport, Option<FlushReport>) {

@@ -328,8 +328,8 @@ impl Store {
         &self.faults
     }
 
-    /// Makes every L2 read (the index reading spilled rows) fail until turned off (`testing`
-    /// builds only).
+    /// Makes every L2 read (the index reading spilled rows) and every stored-offset read fail
+    /// until turned off (`testing` builds only).
     #[cfg(any(test, feature = "testing"))]
     pub fn fail_reads(&self, fail: bool) {
         self.read_faults
@@ -337,7 +337,7 @@ impl Store {
     }
 
     /// An injected read fault, if reads are set to fail.
-    fn read_fault(&self) -> Result<(), StoreError> {
+    pub(crate) fn read_fault(&self) -> Result<(), StoreError> {
         #[cfg(any(test, feature = "testing"))]
         if self.read_faults.load(std::sync::atomic::Ordering::SeqCst) {
             return Err(StoreError::Corrupt {

@@ -45,6 +45,7 @@ impl Store {
         partition: i32,
     ) -> Result<Option<i64>, StoreError> {
         self.check_shard(shard)?;
+        self.read_fault()?;
         let mut key = Vec::with_capacity(8 + source.len());
         offset_key(shard, source, partition, &mut key);
         match self.db.get_pinned_cf(self.cf(CF_OFFSETS)?, &key)? {

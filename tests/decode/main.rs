@@ -5,6 +5,7 @@
 mod support;
 
 mod bad_input;
+mod extra_keys;
 mod fast_path;
 mod fixtures;
 mod kv_groups;

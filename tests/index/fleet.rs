@@ -16,6 +16,7 @@ fn test_config(seed: u64) -> FleetSettings {
         capacity_blocks: 1024,
         seed,
         clear_every: 2000,
+        reuse_hashes: false,
     }
 }
 
@@ -128,6 +129,7 @@ fn fleet_drives_the_index_consistently() {
             &QueryBlocks::Tokens {
                 token_ids,
                 block_size: 16,
+                extras: Vec::new(),
             },
         );
         if rows.iter().next().is_some_and(|r| r.matched_blocks >= 2) {

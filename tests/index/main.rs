@@ -5,6 +5,7 @@
 #[path = "../support/mod.rs"]
 mod support;
 
+mod block_identity;
 mod fleet;
 mod pipeline_bad_input;
 mod pipeline_durable;

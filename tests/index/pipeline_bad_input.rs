@@ -54,6 +54,7 @@ fn holds(index: &Index, engine: &str, first_token: u32) -> bool {
     let q = QueryBlocks::Tokens {
         token_ids: (first_token..first_token + 4).collect(),
         block_size: 4,
+        extras: Vec::new(),
     };
     index
         .lookup(&PartitionKey::new("t", "m", ""), &q)

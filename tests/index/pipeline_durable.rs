@@ -245,6 +245,7 @@ fn block_sizes_are_pinned_durably_and_conflicts_counted() {
         &QueryBlocks::Tokens {
             token_ids: tokens.clone(),
             block_size: service.index.block_size("t", "m32").unwrap(),
+            extras: Vec::new(),
         },
     );
     assert!(
@@ -285,6 +286,7 @@ fn an_engine_silent_past_the_ttl_is_cleared_durably_once_caught_up() {
             &QueryBlocks::Tokens {
                 token_ids: tokens.clone(),
                 block_size: 16,
+                extras: Vec::new(),
             },
         );
         let mut ids: Vec<String> = rows.iter().map(|r| r.engine_id.to_string()).collect();
@@ -334,4 +336,34 @@ fn an_engine_silent_past_the_ttl_is_cleared_durably_once_caught_up() {
     // Durable: after a restart neither comes back.
     let service = Service::open(cfg, None).unwrap();
     assert!(holders(&service).is_empty(), "{:?}", holders(&service));
+}
+
+#[test]
+fn a_stored_offset_that_cannot_be_read_holds_the_assignment_until_it_can() {
+    use kvindex::source::Checkpoints;
+    let dir = tempfile::tempdir().unwrap();
+    let mut fleet = Fleet::new(FleetSettings::default());
+    let opts = DecodeSettings::from(&Config::default().source);
+    let service = Service::open(config(dir.path()), None).unwrap();
+    let p = service.pipeline.clone();
+    p.ingest_batch(SOURCE, &messages(&mut fleet, 0, 20), &opts)
+        .unwrap();
+    assert!(p.persist());
+    assert_eq!(p.next_offset(SOURCE, 0), Some(20));
+
+    // The store cannot be read: the source's assignment waits rather than falling back to
+    // its configured start (which could skip or repeat events).
+    service.store.fail_reads(true);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let asking = p.clone();
+    let waiter = std::thread::spawn(move || tx.send(asking.next_offset(SOURCE, 0)).unwrap());
+    assert!(
+        rx.recv_timeout(std::time::Duration::from_millis(500))
+            .is_err(),
+        "answered while the store could not be read"
+    );
+    service.store.fail_reads(false);
+    let answer = rx.recv_timeout(std::time::Duration::from_secs(30)).unwrap();
+    waiter.join().unwrap();
+    assert_eq!(answer, Some(20));
 }

@@ -60,6 +60,7 @@ fn lookup(index: &Index, p: &PartitionKey, family: u32, blocks: u32) -> Vec<(Str
     let q = QueryBlocks::Tokens {
         token_ids: tokens(family, blocks),
         block_size: BS,
+        extras: Vec::new(),
     };
     index
         .lookup(p, &q)
@@ -109,6 +110,7 @@ fn longest_prefix_per_engine_sorted_by_match_then_id() {
             &QueryBlocks::Tokens {
                 token_ids: tokens(1, 4),
                 block_size: BS,
+                extras: Vec::new(),
             },
         );
         assert_eq!(
@@ -141,6 +143,7 @@ fn unknown_parent_is_skipped_never_keyed_as_root() {
         let q = QueryBlocks::Tokens {
             token_ids: (2..4).flat_map(|b| block_tokens(1, b)).collect(),
             block_size: BS,
+            extras: Vec::new(),
         };
         assert!(index.lookup(&part(""), &q).1.is_empty());
         // A removed parent also cannot be continued.
@@ -285,6 +288,7 @@ fn restoring_at_another_tier_replaces_the_tier() {
             &QueryBlocks::Tokens {
                 token_ids: tokens(1, 2),
                 block_size: BS,
+                extras: Vec::new(),
             },
         );
         assert_eq!(
@@ -506,6 +510,7 @@ fn randomized_against_reference_model() {
                         let q = QueryBlocks::Tokens {
                             token_ids: q,
                             block_size: BS,
+                            extras: Vec::new(),
                         };
                         let got: Vec<_> = index
                             .lookup(&part(a), &q)
@@ -548,6 +553,7 @@ fn a_limited_lookup_is_the_full_answer_cut_short() {
         let blocks = QueryBlocks::Tokens {
             token_ids,
             block_size: FleetSettings::default().block_size,
+            extras: Vec::new(),
         };
         let full = index.lookup(&p, &blocks).1.to_vec();
         widest = widest.max(full.len());
@@ -616,6 +622,7 @@ fn lookups_can_leave_out_engines_not_heard_from_lately() {
         let blocks = QueryBlocks::Tokens {
             token_ids: tokens(1, 3),
             block_size: BS,
+            extras: Vec::new(),
         };
         let all = index.lookup(&part(""), &blocks).1.to_vec();
         assert_eq!(all.len(), 2);

@@ -163,6 +163,38 @@ fn a_tiny_l1_answers_like_an_unbounded_index_through_churn_and_restarts() {
     drop(service);
 }
 
+/// Eviction never writes a row the checkpoint has not committed with its offsets: the worker
+/// commits first, so every entry that leaves L1 is clean. With commits otherwise rare (a long
+/// interval), write-back would have written thousands of dirty rows ahead of the offsets.
+#[test]
+fn eviction_commits_first_so_l2_never_runs_ahead_of_the_offsets() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = config(dir.path(), 32 << 10);
+    c.checkpoint.interval_ms = 3_600_000;
+    c.checkpoint.max_events = u64::MAX / 2;
+    let mut traffic = Traffic {
+        fleet: fleet(11),
+        next_offset: 0,
+    };
+    let reference = reference(&c);
+    let service = Service::open(c.clone(), None).unwrap();
+    for round in 0..6 {
+        feed(&service, &reference, &mut traffic, 60);
+        let q = queries(&mut traffic, 16);
+        assert_same(&service, &reference, &q, &format!("round {round}"));
+    }
+    let stats = service.spill.stats();
+    assert!(stats.entries_evicted > 1_000, "nothing left L1: {stats:?}");
+    assert_eq!(
+        stats.entries_written, 0,
+        "rows written outside a checkpoint commit: {stats:?}"
+    );
+    drop(service);
+    let service = Service::open(c, None).unwrap();
+    let q = queries(&mut traffic, 32);
+    assert_same(&service, &reference, &q, "after restart");
+}
+
 #[test]
 fn lookups_of_l2_blocks_bring_them_back_and_stats_report_it() {
     let dir = tempfile::tempdir().unwrap();
@@ -410,6 +442,7 @@ fn an_entry_whose_ids_are_not_durable_yet_never_leaves_l1() {
             let blocks = QueryBlocks::Tokens {
                 token_ids,
                 block_size: BLOCK_SIZE,
+                extras: Vec::new(),
             };
             index.query_keys(&partition, &blocks)
         })
@@ -519,6 +552,7 @@ fn a_restore_never_brings_back_a_block_removed_since_the_last_commit() {
                 &kvindex::index::QueryBlocks::Tokens {
                     token_ids: tokens.clone(),
                     block_size: BLOCK_SIZE,
+                    extras: Vec::new(),
                 },
             )
         })

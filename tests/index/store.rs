@@ -113,6 +113,7 @@ fn snapshot(index: &Index, queries: &[(PartitionKey, Vec<u32>)]) -> Snapshot {
             let q = QueryBlocks::Tokens {
                 token_ids: tokens.clone(),
                 block_size: bs,
+                extras: Vec::new(),
             };
             index.lookup(p, &q).1.to_vec()
         })

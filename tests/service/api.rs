@@ -307,6 +307,59 @@ async fn partitions_are_isolated() {
     assert_eq!(v["engines"], json!([]));
 }
 
+/// Blocks stored with extra keys (a salt, an image) match only lookups that name the same.
+#[tokio::test]
+async fn salted_and_multimodal_blocks_match_only_the_same_salt_and_images() {
+    use kvindex::event::{BlockExtras, MmKey};
+    let (state, _) = fixture();
+    let mut ev = stored_tokens(
+        "engine-mm",
+        PartitionKey::new("", "llava", ""),
+        3,
+        Tier::Gpu,
+    );
+    ev.block_extras = vec![
+        BlockExtras {
+            cache_salt: "s1".into(),
+            ..BlockExtras::default()
+        },
+        BlockExtras {
+            mm: vec![MmKey {
+                hash: "cat".into(),
+                offset: 2,
+            }],
+            ..BlockExtras::default()
+        },
+        BlockExtras {
+            mm: vec![MmKey {
+                hash: "cat".into(),
+                offset: -2,
+            }],
+            ..BlockExtras::default()
+        },
+    ];
+    state.index.learn_block_size(&ev);
+    state.index.apply(&ev, NOW).unwrap();
+    let app = api::router(state);
+    let cat = json!([{"hash": "cat", "offset": 6, "length": 4}]);
+    let dog = json!([{"hash": "dog", "offset": 6, "length": 4}]);
+    for (salt, images, want) in [
+        (json!("s1"), cat.clone(), 3),
+        (json!("s1"), dog, 1),
+        (json!("s1"), json!(null), 1),
+        (json!("s2"), cat.clone(), 0),
+        (json!(null), cat, 0),
+    ] {
+        let v = lookup(
+            &app,
+            json!({"model": "llava", "token_ids": tokens(12), "cache_salt": salt, "mm_inputs": images}),
+        )
+        .await;
+        let got = rows(&v).first().map_or(0, |r| r.1);
+        assert_eq!(got, want, "salt {salt}, images {images}: {v}");
+    }
+}
+
 #[tokio::test]
 async fn block_size_is_learned_per_model_else_a_400() {
     let (state, _) = fixture();
@@ -444,6 +497,22 @@ async fn bad_requests_name_the_field() {
         (
             r#"{"model": "llama", "token_ids": [1], "block_size": -4}"#,
             "block_size: ",
+        ),
+        (
+            r#"{"model": "llama", "token_ids": [1], "cache_salt": 5}"#,
+            "cache_salt: expected a string",
+        ),
+        (
+            r#"{"model": "llama", "token_ids": [1], "mm_inputs": {}}"#,
+            "mm_inputs: expected an array",
+        ),
+        (
+            r#"{"model": "llama", "token_ids": [1], "mm_inputs": [{"hash": "a", "offset": 0, "length": 0}]}"#,
+            "mm_inputs: expected an array of {\"hash\": string, \"offset\": integer ≥ 0, \"length\": integer ≥ 1} (element 0",
+        ),
+        (
+            r#"{"model": "llama", "block_hashes": [1], "cache_salt": "s"}"#,
+            "cache_salt and mm_inputs apply to token_ids lookups only",
         ),
     ];
     for (body, prefix) in cases {

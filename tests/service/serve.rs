@@ -68,6 +68,7 @@ fn reference_answer(index: &Index, partition: &PartitionKey, tokens: &[u32]) -> 
     let blocks = kvindex::index::QueryBlocks::Tokens {
         token_ids: tokens.to_vec(),
         block_size: 16,
+        extras: Vec::new(),
     };
     let mut rows: Vec<_> = index
         .lookup(partition, &blocks)

@@ -61,6 +61,7 @@ pub fn fingerprint(
             let blocks = kvindex::index::QueryBlocks::Tokens {
                 token_ids: tokens.clone(),
                 block_size,
+                extras: Vec::new(),
             };
             let mut rows: Vec<_> = index
                 .lookup(partition, &blocks)

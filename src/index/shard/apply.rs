@@ -97,8 +97,10 @@ impl Shard {
                         block_size: *block_size,
                     })
                 } else {
+                    let extras = crate::event::extra::digests(&ev.block_extras);
                     self.chain_start(eid, pid, ev.parent_hash).map(|prev| {
-                        hash::token_chain_keys(prev, token_ids, *block_size as usize, &mut keys)
+                        let bs = *block_size as usize;
+                        hash::token_chain_keys(prev, token_ids, bs, &extras, &mut keys)
                     })
                 }
             }

@@ -419,6 +419,13 @@ impl Shard {
         Ok(())
     }
 
+    /// Whether lookups found blocks only in L2 that wait to be restored.
+    pub fn has_promotions(&self) -> bool {
+        self.spill
+            .as_deref()
+            .is_some_and(|t| !t.promote.lock().is_empty())
+    }
+
     /// Blocks lookups found only in L2 since the last call (`restore_on_read`), each once.
     pub fn take_promotions(&self) -> Vec<u64> {
         let mut keys = self
