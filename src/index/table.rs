@@ -12,7 +12,12 @@
 //!   probe lengths never degrade under churn);
 //! - keys and values side by side in one slot, so a hit near home costs one cache line (two
 //!   arrays would cost two: measured slower on the replay trace);
-//! - key 0 marks an empty slot; the one real key 0 lives in its own field.
+//! - key 0 marks an empty slot; the one real key 0 lives in its own field;
+//! - tables keyed by producers' raw hashes ([`KeyTable::seeded`]) xor every key with a random
+//!   per-process seed before the multiply. Unseeded, `i * φ⁻¹` for `i = 0, 1, 2…` all share
+//!   home slot 0 and probing degrades to O(n²); a producer that cannot see the seed cannot
+//!   aim keys at one slot. Block keys are kvindex's own chained hashes and stay unseeded
+//!   (seed 0, the same arithmetic).
 
 /// Fibonacci hashing multiplier (2^64 / φ).
 const PHI: u64 = 0x9e37_79b9_7f4a_7c15;
@@ -34,6 +39,15 @@ pub struct KeyTable<V> {
     len: usize,
     /// The value of key 0, which cannot live in `slots`.
     zero: Option<V>,
+    /// Xored into every key before hashing (0: unseeded). See the module docs.
+    seed: u64,
+}
+
+/// The process's seed for [`KeyTable::seeded`] tables: random, fixed for the process's life.
+fn process_seed() -> u64 {
+    use std::hash::BuildHasher;
+    static SEED: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *SEED.get_or_init(|| std::hash::RandomState::new().hash_one(0u64))
 }
 
 impl<V: Default> Default for KeyTable<V> {
@@ -43,6 +57,7 @@ impl<V: Default> Default for KeyTable<V> {
             shift: 64,
             len: 0,
             zero: None,
+            seed: 0,
         }
     }
 }
@@ -50,6 +65,15 @@ impl<V: Default> Default for KeyTable<V> {
 impl<V: Default> KeyTable<V> {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// An empty table for keys a producer chooses (engine hashes): keys are mixed with the
+    /// process's random seed, so crafted keys cannot pile onto one home slot.
+    pub fn seeded() -> Self {
+        KeyTable {
+            seed: process_seed(),
+            ..Self::default()
+        }
     }
 
     #[inline]
@@ -70,7 +94,7 @@ impl<V: Default> KeyTable<V> {
     #[inline(always)]
     fn home(&self, key: u64) -> usize {
         // Callers guard emptiness (shift 64 then); masking keeps the shift defined regardless.
-        (key.wrapping_mul(PHI) >> (self.shift & 63)) as usize
+        ((key ^ self.seed).wrapping_mul(PHI) >> (self.shift & 63)) as usize
     }
 
     #[inline(always)]
@@ -314,6 +338,41 @@ impl<V: Default> KeyTable<V> {
 mod tests {
     use super::*;
     use std::collections::HashMap;
+
+    /// Mean distance of the table's entries from their home slots (1.0 is a perfect spread).
+    fn mean_probe_distance(t: &KeyTable<u64>) -> f64 {
+        let mask = t.mask();
+        let total: usize = (0..t.capacity())
+            .filter_map(|i| {
+                t.entry_at(i)
+                    .map(|(k, _)| (i.wrapping_sub(t.home(k)) & mask) + 1)
+            })
+            .sum();
+        total as f64 / t.len() as f64
+    }
+
+    #[test]
+    fn seeded_tables_spread_keys_crafted_to_collide() {
+        // k·φ = i for k = i·φ⁻¹: every key's product has all-zero top bits, one home slot.
+        let phi_inverse = (0..6).fold(PHI, |x, _| {
+            x.wrapping_mul(2u64.wrapping_sub(PHI.wrapping_mul(x)))
+        });
+        assert_eq!(PHI.wrapping_mul(phi_inverse), 1);
+        let crafted = || (1..=4_000u64).map(|i| i.wrapping_mul(phi_inverse));
+        let mut plain: KeyTable<u64> = KeyTable::new();
+        let mut seeded: KeyTable<u64> = KeyTable::seeded();
+        for k in crafted() {
+            plain.insert(k, k);
+            seeded.insert(k, k);
+        }
+        assert!(
+            mean_probe_distance(&plain) > 1000.0,
+            "the crafted keys do collide unseeded"
+        );
+        let spread = mean_probe_distance(&seeded);
+        assert!(spread < 4.0, "seeded mean probe distance {spread}");
+        assert!(crafted().all(|k| seeded.get(k) == Some(&k)));
+    }
 
     #[test]
     fn behaves_like_a_hashmap_under_random_churn() {

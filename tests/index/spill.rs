@@ -472,6 +472,67 @@ fn an_entry_whose_ids_are_not_durable_yet_never_leaves_l1() {
     assert!(l1.remove_if_unchanged(&stamps).removed >= resident.len() / 2);
 }
 
+/// A holder's removal moves the block's version: the write-back, which sampled the block (and
+/// built its row) before the removal, leaves it in L1 rather than evicting it with a row that
+/// still names the holder. Lookups never name an engine for a block it dropped.
+#[test]
+fn a_removal_after_the_sample_keeps_the_block_from_leaving_with_its_old_row() {
+    let dir = tempfile::tempdir().unwrap();
+    let (index, store, _traffic, reference) = live_shard(dir.path());
+    let holders = |index: &Index, k: u64| -> Vec<String> {
+        let mut engines: Vec<String> = index
+            .lookup_keys(&[k])
+            .iter()
+            .map(|m| m.engine_id.to_string())
+            .collect();
+        engines.sort();
+        engines
+    };
+    let l1 = ShardL1::new(index.clone(), 0);
+    let victims = l1.coldest(4096);
+    let blocks: Vec<u64> = victims
+        .iter()
+        .filter_map(|v| match v.key {
+            L1Key::Block(k) => Some(k),
+            L1Key::Map { .. } => None,
+        })
+        .collect();
+    // The engine sharing the most sampled blocks with others (asked of the reference, since a
+    // lookup on the tiered index would move the stamps this test is about).
+    let mut shared: std::collections::BTreeMap<String, usize> = Default::default();
+    for &k in &blocks {
+        let engines = holders(&reference, k);
+        if engines.len() >= 2 {
+            for e in engines {
+                *shared.entry(e).or_default() += 1;
+            }
+        }
+    }
+    let (leaving, count) = shared.into_iter().max_by_key(|(_, n)| *n).unwrap();
+    assert!(count >= 5, "vacuous: {count} shared sampled blocks");
+    let stamps: Vec<_> = victims.iter().map(|v| v.stamp()).collect();
+    let rows: Vec<_> = victims.iter().filter_map(|v| v.dirty.clone()).collect();
+    StoreSink::new(store.clone())
+        .write_batch(&rows, std::time::Instant::now() + Duration::from_secs(5))
+        .unwrap();
+
+    // Meanwhile the engine goes away, and its blocks with it.
+    let forget = index.shard(0).read().forget_events(&leaving);
+    for ev in &forget {
+        index.apply(ev, 0).unwrap();
+        reference.apply(ev, 0).unwrap();
+    }
+    let removal = l1.remove_if_unchanged(&stamps);
+    assert!(removal.removed > 0, "vacuous: nothing evicted: {removal:?}");
+    for &k in &blocks {
+        assert_eq!(
+            holders(&index, k),
+            holders(&reference, k),
+            "block {k:#x} after {leaving} left"
+        );
+    }
+}
+
 #[test]
 fn a_live_shard_keeps_what_is_read_in_flight_and_everything_when_the_write_fails() {
     let dir = tempfile::tempdir().unwrap();

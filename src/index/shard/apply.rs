@@ -136,7 +136,7 @@ impl Shard {
         let map_slot = match engine.parts.iter().position(|(p, _)| *p == pid) {
             Some(i) => i,
             None => {
-                engine.parts.push((pid, KeyTable::default()));
+                engine.parts.push((pid, KeyTable::seeded()));
                 engine.parts.len() - 1
             }
         };
@@ -177,6 +177,7 @@ impl Shard {
                     &mut engine.tier_counts,
                     (part, pid),
                     changes.as_deref_mut(),
+                    now,
                 );
             }
             let added = table.add(key, eid, ev.tier, engine_count, now);
@@ -204,6 +205,7 @@ impl Shard {
     /// Removes `hashes` of engine `eid` from the engine's partition at `slot` of its parts.
     fn remove_in_part(&mut self, eid: EngineIdx, slot: usize, hashes: &[EngineHash]) -> usize {
         let engine_count = self.engines.len();
+        let now = self.lru_now();
         let Shard {
             table,
             engines,
@@ -251,6 +253,7 @@ impl Shard {
                 &mut engine.tier_counts,
                 part,
                 changes.as_deref_mut(),
+                now,
             ) as usize;
         }
         *key_buf = keys;
@@ -306,6 +309,7 @@ impl Shard {
             self.fault_in_cleared(eid, pid)?;
         }
         let engine_count = self.engines.len();
+        let now = self.lru_now();
         let mut removed = 0;
         // Highest slot first so removing a slot leaves the remaining indices valid.
         for slot in slots.into_iter().rev() {
@@ -327,6 +331,7 @@ impl Shard {
                     &mut engine.tier_counts,
                     part,
                     changes.as_deref_mut(),
+                    now,
                 ) as usize;
             }
         }

@@ -81,18 +81,23 @@ impl BlockTable {
         }
     }
 
-    /// Removes one membership: the tier it had, and whether the block is now gone.
+    /// Removes one membership: the tier it had, and whether the block is now gone. A block
+    /// that stays is stamped `now` (the LRU clock), so its version moves: a write-back that
+    /// sampled it before the removal cannot evict it with its old row (see `evict.rs`).
     #[inline]
     pub(super) fn remove(
         &mut self,
         key: u64,
         engine: EngineIdx,
         engine_count: usize,
+        now: u32,
     ) -> Option<(Tier, bool)> {
         let Some(slot) = self.blocks.slot(key) else {
             // Key 0 has no slot (see KeyTable); it takes the general path.
-            let holders = &mut self.blocks.get_mut(key)?.holders;
-            let tier = holders.remove(engine)?;
+            let block = self.blocks.get_mut(key)?;
+            let tier = block.holders.remove(engine)?;
+            *block.used.get_mut() = now;
+            let holders = &mut block.holders;
             self.memberships -= 1;
             let gone = holders.is_empty();
             if gone {
@@ -100,9 +105,11 @@ impl BlockTable {
             }
             return Some((tier, gone));
         };
-        let holders = &mut self.blocks.at_mut(slot).holders;
+        let block = self.blocks.at_mut(slot);
+        let holders = &mut block.holders;
         let heap_before = holders.heap_bytes();
         let tier = holders.remove(engine)?;
+        *block.used.get_mut() = now;
         let len = holders.len();
         self.heap_bytes = self.heap_bytes + holders.heap_bytes() - heap_before;
         self.memberships -= 1;
@@ -123,9 +130,9 @@ impl BlockTable {
     }
 }
 
-/// Drops the membership of `holder` = (engine, shard engine count) in block `key`, keeping the
-/// engine's `tier_counts`, the partition's totals (`part` = (state, id)) and the change log in
-/// step. True if the engine held the block.
+/// Drops the membership of `holder` = (engine, shard engine count) in block `key` at LRU time
+/// `now`, keeping the engine's `tier_counts`, the partition's totals (`part` = (state, id))
+/// and the change log in step. True if the engine held the block.
 #[inline]
 pub(super) fn drop_membership(
     table: &mut BlockTable,
@@ -134,9 +141,10 @@ pub(super) fn drop_membership(
     tier_counts: &mut [u64; 3],
     part: (&mut PartitionState, u32),
     changes: Option<&mut Changes>,
+    now: u32,
 ) -> bool {
     let (eid, engine_count) = holder;
-    let Some((tier, gone)) = table.remove(key, eid, engine_count) else {
+    let Some((tier, gone)) = table.remove(key, eid, engine_count, now) else {
         return false;
     };
     let (part, pid) = part;

@@ -4,8 +4,8 @@
 //! [`SpillL1`](crate::spill::SpillL1) calls here, one lock per call.
 //!
 //! # LRU, approximately
-//! Every entry carries a `u32` stamp of the shard's LRU clock at its last use (blocks also on
-//! lookups). [`Shard::coldest`] takes the oldest entries of a rotating sample of a few times
+//! Every entry carries a `u32` stamp of the shard's LRU clock at its last use or change (blocks
+//! also on lookups, and when a holder leaves: the stamp is the entry's version too). [`Shard::coldest`] takes the oldest entries of a rotating sample of a few times
 //! the batch size, as Redis's approximated LRU does: O(batch) per call, no list to maintain on
 //! the hot path. The clock advances once per call, so an entry read while its batch is in
 //! flight carries a newer stamp and [`Shard::evict_if_unchanged`] keeps it.

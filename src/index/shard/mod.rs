@@ -272,7 +272,7 @@ impl Shard {
         match engine.parts.iter().position(|(p, _)| *p == pid) {
             Some(i) => i,
             None => {
-                engine.parts.push((pid, KeyTable::default()));
+                engine.parts.push((pid, KeyTable::seeded()));
                 engine.parts.len() - 1
             }
         }
