@@ -2,6 +2,7 @@
 //! typed maps) and both event forms, SGLang's salted `metadata`, and the protobuf / JSON field
 //! that carries them, each decoded into the same `BlockExtras`.
 
+use crate::support::events::decode_vllm_batch;
 use kvindex::event::{
     BlockExtras, DecodeError, DecodeSettings, Envelope, Event, EventKind, Format, MmKey,
     VllmSettings, decode_payload, encode,
@@ -14,21 +15,7 @@ fn s(v: &str) -> Value {
 
 fn decode(events: Vec<Value>) -> (Vec<Event>, Vec<DecodeError>) {
     let batch = Value::Array(vec![Value::from(1.0), Value::Array(events)]);
-    let mut bytes = Vec::new();
-    rmpv::encode::write_value(&mut bytes, &batch).unwrap();
-    let settings = DecodeSettings {
-        format: Format::Vllm,
-        vllm: VllmSettings {
-            model: Some("llava".into()),
-            ..VllmSettings::default()
-        },
-        ..DecodeSettings::default()
-    };
-    let envelope = Envelope {
-        engine: Some("e"),
-        ..Envelope::default()
-    };
-    let d = decode_payload(&bytes, &envelope, &settings).expect("payload decodes");
+    let d = decode_vllm_batch(&batch, "llava").expect("payload decodes");
     (d.events, d.skipped)
 }
 
@@ -204,21 +191,7 @@ fn hostile_extra_keys_fail_cleanly() {
             Value::Array(vec![Value::Array(vec![deep])]),
         )]),
     ]);
-    let mut bytes = Vec::new();
-    rmpv::encode::write_value(&mut bytes, &batch).unwrap();
-    let settings = DecodeSettings {
-        format: Format::Vllm,
-        vllm: VllmSettings {
-            model: Some("m".into()),
-            ..VllmSettings::default()
-        },
-        ..DecodeSettings::default()
-    };
-    let envelope = Envelope {
-        engine: Some("e"),
-        ..Envelope::default()
-    };
-    let got = decode_payload(&bytes, &envelope, &settings);
+    let got = decode_vllm_batch(&batch, "m");
     assert!(matches!(got, Err(DecodeError::TooDeep(_))), "{got:?}");
 }
 

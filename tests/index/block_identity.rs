@@ -10,10 +10,9 @@
 //! and must then answer every lookup (tokens + `cache_salt` + `mm_inputs`) with exactly the
 //! prefix the engine's own cache would reuse.
 
+use crate::support::events::decode_vllm_batch;
+use kvindex::event::PartitionKey;
 use kvindex::event::extra::{self, MmInput};
-use kvindex::event::{
-    DecodeSettings, Envelope, Format, PartitionKey, VllmSettings, decode_payload,
-};
 use kvindex::index::{Index, IndexSettings, QueryBlocks};
 use kvindex::sim::Rng;
 use rmpv::Value;
@@ -173,21 +172,7 @@ fn block_stored(req: &Request, lora: Option<&str>, from: usize) -> Value {
 
 fn apply_batch(index: &Index, events: Vec<Value>) {
     let batch = Value::Array(vec![Value::from(1.0), Value::Array(events), Value::Nil]);
-    let mut bytes = Vec::new();
-    rmpv::encode::write_value(&mut bytes, &batch).unwrap();
-    let settings = DecodeSettings {
-        format: Format::Vllm,
-        vllm: VllmSettings {
-            model: Some("llava".into()),
-            ..VllmSettings::default()
-        },
-        ..DecodeSettings::default()
-    };
-    let envelope = Envelope {
-        engine: Some("e"),
-        ..Envelope::default()
-    };
-    let decoded = decode_payload(&bytes, &envelope, &settings).expect("decodes");
+    let decoded = decode_vllm_batch(&batch, "llava").expect("decodes");
     assert!(decoded.skipped.is_empty(), "{:?}", decoded.skipped);
     for ev in &decoded.events {
         index.learn_block_size(ev);

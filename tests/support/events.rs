@@ -58,3 +58,27 @@ impl From<EventBuilder> for Event {
         b.0
     }
 }
+
+/// Decodes a vLLM msgpack batch (`[ts, events, …]`) published by engine `e` serving `model`,
+/// as the service's vLLM decoder would.
+pub fn decode_vllm_batch(
+    batch: &rmpv::Value,
+    model: &str,
+) -> Result<kvindex::event::Decoded, kvindex::event::DecodeError> {
+    use kvindex::event::{DecodeSettings, Envelope, Format, VllmSettings, decode_payload};
+    let mut bytes = Vec::new();
+    rmpv::encode::write_value(&mut bytes, batch).unwrap();
+    let settings = DecodeSettings {
+        format: Format::Vllm,
+        vllm: VllmSettings {
+            model: Some(model.into()),
+            ..VllmSettings::default()
+        },
+        ..DecodeSettings::default()
+    };
+    let envelope = Envelope {
+        engine: Some("e"),
+        ..Envelope::default()
+    };
+    decode_payload(&bytes, &envelope, &settings)
+}
