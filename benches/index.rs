@@ -34,7 +34,7 @@ fn chain_event(e: u32, adapter: u32, family: u32, len: u32) -> Event {
             .collect(),
         block_size: BLOCK,
     };
-    ev.tier = Tier::Gpu;
+    ev.tier = Some(Tier::Gpu);
     ev
 }
 

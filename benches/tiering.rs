@@ -49,7 +49,7 @@ fn chain_event(e: u64, family: u64) -> Event {
         token_ids: tokens(family),
         block_size: BLOCK,
     };
-    ev.tier = Tier::Gpu;
+    ev.tier = Some(Tier::Gpu);
     ev
 }
 

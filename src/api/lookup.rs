@@ -10,7 +10,8 @@
 use super::AppState;
 use super::error::ApiError;
 use super::request::{Query, parse_lookup};
-use crate::index::QueryBlocks;
+use crate::event::Tier;
+use crate::index::{LookupOptions, QueryBlocks};
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::extract::rejection::BytesRejection;
@@ -33,8 +34,9 @@ pub async fn lookup(
 
 /// The answer as the JSON body `schemas/openapi.yaml` calls `LookupResponse`:
 /// `{"model", "tenant", "adapter", "query_blocks", "block_size", "engines": [{"engine_id",
-/// "matched_blocks", "matched_tokens", "tier"}, ..]}` (`block_size` and `matched_tokens` are
-/// `null` for a hash query of a model whose block size is unknown).
+/// "matched_blocks", "matched_tokens", "tier", "blocks_by_tier": {"GPU", "CPU", "DISK"},
+/// "score"?}, ..]}` (`block_size` and `matched_tokens` are `null` for a hash query of a model
+/// whose block size is unknown; `score` is there when the request gave `tier_weights`).
 ///
 /// Written by hand rather than through serde: answers of a busy fleet name hundreds of
 /// engines, and serde's per-field calls and per-byte string escaping were the largest cost of
@@ -77,7 +79,23 @@ fn render(a: &Answered) -> Vec<u8> {
         }
         out.extend_from_slice(b",\"tier\":\"");
         out.extend_from_slice(m.tier.as_str().as_bytes());
-        out.extend_from_slice(b"\"}");
+        out.extend_from_slice(b"\",\"blocks_by_tier\":{");
+        for (t, tier) in Tier::ALL.into_iter().enumerate() {
+            if t > 0 {
+                out.push(b',');
+            }
+            out.push(b'"');
+            out.extend_from_slice(tier.as_str().as_bytes());
+            out.extend_from_slice(b"\":");
+            out.extend_from_slice(num.format(m.blocks_on[t]).as_bytes());
+        }
+        out.push(b'}');
+        if let Some(score) = m.score {
+            out.extend_from_slice(b",\"score\":");
+            // Finite (weights are checked finite, counts are integers): always a JSON number.
+            out.extend_from_slice(ryu::Buffer::new().format_finite(score).as_bytes());
+        }
+        out.push(b'}');
     }
     out.extend_from_slice(b"]}");
     out
@@ -181,7 +199,12 @@ fn answer(state: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Answe
                 .saturating_mul(1_000_000),
         )
     });
-    let (query_blocks, answer) = state.index.lookup_heard(p, &blocks, limit, heard_since);
+    let options = LookupOptions {
+        limit,
+        heard_since_us: heard_since,
+        tier_weights: req.tier_weights,
+    };
+    let (query_blocks, answer) = state.index.lookup_with(p, &blocks, &options);
     state.metrics.observe_lookup(start.elapsed().as_secs_f64());
     Ok(Answered {
         partition: req.partition,

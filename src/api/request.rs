@@ -9,7 +9,8 @@
 
 use super::error::ApiError;
 use crate::event::extra::MmInput;
-use crate::event::{EngineHash, PartitionKey};
+use crate::event::{EngineHash, PartitionKey, Tier};
+use crate::index::TierWeights;
 use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use std::fmt;
 use std::marker::PhantomData;
@@ -22,7 +23,7 @@ pub const MAX_QUERY_HASHES: usize = 100_000;
 pub const MAX_MM_INPUTS: usize = 10_000;
 
 /// A validated lookup request.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct LookupRequest {
     pub partition: PartitionKey,
     pub query: Query,
@@ -37,6 +38,8 @@ pub struct LookupRequest {
     pub cache_salt: String,
     /// The request's multimodal inputs; token lookups only.
     pub mm_inputs: Vec<MmInput>,
+    /// Rank by the weighted prefix score with these weights; `None`: by prefix length.
+    pub tier_weights: Option<TierWeights>,
 }
 
 /// The blocks a lookup asks about.
@@ -98,6 +101,9 @@ struct RawLookup {
     /// Read as a value and checked by [`mm_inputs`]: a short list, never a hot path.
     #[serde(default)]
     mm_inputs: Option<serde_json::Value>,
+    /// Read as a value and checked by [`tier_weights`].
+    #[serde(default)]
+    tier_weights: Option<serde_json::Value>,
 }
 
 const TOKEN_IDS_TYPE: &str = "token_ids: expected an array of unsigned 32-bit integers";
@@ -172,6 +178,7 @@ impl RawLookup {
         };
         let cache_salt = optional_string(self.cache_salt.0, "cache_salt")?;
         let mm_inputs = mm_inputs(self.mm_inputs)?;
+        let tier_weights = tier_weights(self.tier_weights)?;
         if matches!(query, Query::Hashes(_)) && (!cache_salt.is_empty() || !mm_inputs.is_empty()) {
             return Err(ApiError::bad_request(
                 "cache_salt and mm_inputs apply to token_ids lookups only (block_hashes already carry them)",
@@ -189,8 +196,31 @@ impl RawLookup {
             max_idle_s,
             cache_salt,
             mm_inputs,
+            tier_weights,
         })
     }
+}
+
+/// `tier_weights`: absent/`null`, or an object from tier names (`GPU`, `CPU`, `DISK`, any
+/// case) to finite weights ≥ 0; a tier left out weighs 1.
+fn tier_weights(value: Option<serde_json::Value>) -> Result<Option<TierWeights>, ApiError> {
+    const TYPE: &str = "tier_weights: expected an object of tier name (GPU, CPU, DISK) to a number ≥ 0, e.g. {\"GPU\": 1.0, \"CPU\": 0.8, \"DISK\": 0.5}";
+    let entries = match value {
+        None | Some(serde_json::Value::Null) => return Ok(None),
+        Some(serde_json::Value::Object(entries)) => entries,
+        Some(_) => return Err(ApiError::bad_request(TYPE)),
+    };
+    let mut weights = TierWeights::default();
+    for (name, weight) in &entries {
+        let tier = Tier::parse(name)
+            .ok_or_else(|| ApiError::bad_request(format!("{TYPE} (`{name}` is not a tier)")))?;
+        let w = weight
+            .as_f64()
+            .filter(|w| w.is_finite() && *w >= 0.0)
+            .ok_or_else(|| ApiError::bad_request(format!("{TYPE} (`{name}` is not)")))?;
+        weights.0[tier as usize] = w;
+    }
+    Ok(Some(weights))
 }
 
 /// `mm_inputs`: absent/`null`, or an array of `{"hash": non-empty string, "offset": u64,

@@ -258,7 +258,7 @@ mod tests {
             token_ids: vec![1, 2],
             block_size: 2,
         };
-        ev.tier = Tier::Gpu;
+        ev.tier = Some(Tier::Gpu);
         ev
     }
 

@@ -55,7 +55,7 @@ fn json_value(ev: &Event) -> serde_json::Value {
         "parent_hash": hex::encode(&msg.parent_hash),
         "token_ids": msg.token_ids,
         "block_size": msg.block_size,
-        "tier": ev.tier.as_str(),
+        "tier": ev.tier.map_or("TIER_UNSPECIFIED", Tier::as_str),
         "seq": msg.seq,
         "dp_rank": msg.dp_rank,
     });
@@ -129,7 +129,7 @@ pub fn to_vllm(events: &[Event], dp_rank: u32) -> Vec<u8> {
                 w.str("lora_id");
                 w.nil();
                 w.str("medium");
-                w.str(medium(ev.tier));
+                w.opt_str(ev.tier.map_or("", medium));
                 w.str("lora_name");
                 w.opt_str(adapter);
                 if extra_keys {
@@ -144,7 +144,7 @@ pub fn to_vllm(events: &[Event], dp_rank: u32) -> Vec<u8> {
                 w.str("block_hashes");
                 w.hashes(ev);
                 w.str("medium");
-                w.str(medium(ev.tier));
+                w.opt_str(ev.tier.map_or("", medium));
                 if !adapter.is_empty() {
                     w.str("lora_name");
                     w.str(adapter);

@@ -9,7 +9,8 @@
 //! The decoder is deliberately a little more lenient than the schema (which describes what
 //! producers should send): unknown fields are ignored, `null` stands for a field's default, an
 //! unknown `type` name becomes [`EventKind::Unknown(-1)`](super::EventKind::Unknown) (counted
-//! downstream, not an error) and an unknown `tier` name is GPU (as an unknown proto value is).
+//! downstream, not an error) and an unknown `tier` name is GPU (as an unknown proto value is);
+//! an absent or `TIER_UNSPECIFIED` one names no tier.
 //! Wrong-typed known fields are [`DecodeError::Field`] naming the field; syntax errors are
 //! [`DecodeError::Json`]; nesting deeper than serde_json's recursion limit (128) is
 //! [`DecodeError::TooDeep`]. Duplicate keys are rejected.
@@ -347,10 +348,7 @@ impl<'de> Visitor<'de> for EventSeed<'_> {
                 Key::BlockSize => msg.block_size = or_default(map.next_value()?),
                 Key::Tier => {
                     let name: Option<String> = map.next_value()?;
-                    msg.tier = name
-                        .and_then(|n| super::Tier::parse(&n))
-                        .map(proto::tier_to_i32)
-                        .unwrap_or(0);
+                    msg.tier = proto::tier_to_i32(super::Tier::from_medium(name.as_deref()));
                 }
                 Key::Seq => msg.seq = or_default(map.next_value()?),
                 Key::DpRank => msg.dp_rank = or_default(map.next_value()?),

@@ -10,12 +10,12 @@ pub mod extra;
 pub mod json;
 pub mod proto;
 mod proto_fast;
+mod tier;
 pub mod vllm;
 
 pub use decode::{DecodeSettings, Decoded, Format, VllmSettings, decode_payload};
 pub use extra::{BlockExtras, MmKey};
-
-use std::fmt;
+pub use tier::{Tier, TierSet};
 
 /// What an event does to the index.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -33,55 +33,6 @@ pub enum EventKind {
     ReplicaUpdated,
     /// A type this build does not know (the raw enum value); counted and skipped.
     Unknown(i32),
-}
-
-/// Where a block lives on its engine. Re-storing a block at another tier replaces the tier.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Tier {
-    #[default]
-    Gpu = 0,
-    Cpu = 1,
-    Disk = 2,
-}
-
-impl Tier {
-    /// Every tier, in storage-speed order.
-    pub const ALL: [Tier; 3] = [Tier::Gpu, Tier::Cpu, Tier::Disk];
-
-    /// The name used in JSON and the HTTP API (`"GPU"`, `"CPU"`, `"DISK"`).
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Tier::Gpu => "GPU",
-            Tier::Cpu => "CPU",
-            Tier::Disk => "DISK",
-        }
-    }
-
-    /// Parses a tier / vLLM or SGLang `medium` name. `STORAGE` (vLLM 0.3x) is disk.
-    pub fn parse(name: &str) -> Option<Tier> {
-        match name.to_ascii_uppercase().as_str() {
-            "GPU" | "TIER_UNSPECIFIED" | "" => Some(Tier::Gpu),
-            // SGLang's host memory is `CPU_PINNED`.
-            "CPU" | "CPU_PINNED" => Some(Tier::Cpu),
-            // SGLang's `EXTERNAL` is a storage backend beyond the host (e.g. a KV store).
-            "DISK" | "STORAGE" | "EXTERNAL" => Some(Tier::Disk),
-            _ => None,
-        }
-    }
-
-    pub(crate) fn from_bits(bits: u32) -> Tier {
-        match bits & 3 {
-            1 => Tier::Cpu,
-            2 => Tier::Disk,
-            _ => Tier::Gpu,
-        }
-    }
-}
-
-impl fmt::Display for Tier {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
 }
 
 /// An engine's own block hash, normalized to 64 bits.
@@ -164,7 +115,9 @@ pub struct Event {
     /// Per-block extra keys (multimodal inputs, cache salt, ...; see [`extra`]): empty when
     /// no block has any, else one per block of `block_hashes`. Only stores read them.
     pub block_extras: Vec<BlockExtras>,
-    pub tier: Tier,
+    /// The medium the event names (vLLM / SGLang `medium`, proto `tier`), if any. A store
+    /// naming none lands on GPU; a removal naming none drops the blocks from every tier.
+    pub tier: Option<Tier>,
     pub timestamp_us: i64,
     /// Producer sequence number, per replica (0 when the producer has none).
     pub seq: u64,
@@ -182,7 +135,7 @@ impl Event {
             parent_hash: None,
             content: BlockContent::HashesOnly,
             block_extras: Vec::new(),
-            tier: Tier::Gpu,
+            tier: None,
             timestamp_us: 0,
             seq: 0,
         }

@@ -141,21 +141,24 @@ pub fn kind_to_i32(kind: EventKind) -> i32 {
     }
 }
 
-/// Maps a proto `Tier` value to a [`Tier`]: unspecified and unknown values are GPU.
-pub fn tier_from_i32(v: i32) -> Tier {
+/// Maps a proto `Tier` value to the [`Tier`] it names: `None` for unspecified; an unknown
+/// value is GPU.
+pub fn tier_from_i32(v: i32) -> Option<Tier> {
     match PbTier::try_from(v) {
-        Ok(PbTier::Cpu) => Tier::Cpu,
-        Ok(PbTier::Disk) => Tier::Disk,
-        Ok(PbTier::Gpu) | Ok(PbTier::Unspecified) | Err(_) => Tier::Gpu,
+        Ok(PbTier::Unspecified) => None,
+        Ok(PbTier::Cpu) => Some(Tier::Cpu),
+        Ok(PbTier::Disk) => Some(Tier::Disk),
+        Ok(PbTier::Gpu) | Err(_) => Some(Tier::Gpu),
     }
 }
 
-/// The proto `Tier` value of a [`Tier`].
-pub fn tier_to_i32(tier: Tier) -> i32 {
+/// The proto `Tier` value naming `tier` (unspecified for none).
+pub fn tier_to_i32(tier: Option<Tier>) -> i32 {
     match tier {
-        Tier::Gpu => PbTier::Gpu as i32,
-        Tier::Cpu => PbTier::Cpu as i32,
-        Tier::Disk => PbTier::Disk as i32,
+        None => PbTier::Unspecified as i32,
+        Some(Tier::Gpu) => PbTier::Gpu as i32,
+        Some(Tier::Cpu) => PbTier::Cpu as i32,
+        Some(Tier::Disk) => PbTier::Disk as i32,
     }
 }
 

@@ -14,9 +14,9 @@
 //!   an array as above or a map with keys `ts`, `events`, `data_parallel_rank`.
 //!
 //! Block hashes are integers (signed or unsigned 64-bit) or bytes (e.g. 32-byte digests), see
-//! [`EngineHash`]. `medium` is `GPU`/`CPU`/`STORAGE`/`DISK` (nil or unknown → GPU). Of a hybrid
-//! model's KV-cache groups (`group_idx`, `kv_cache_spec_kind`) only the full-attention group is
-//! indexed; events of other groups are dropped as [`DecodeError::OtherKvGroup`] (see
+//! [`EngineHash`]. `medium` is `GPU`/`CPU`/`STORAGE`/`DISK` (unknown → GPU; nil names no tier:
+//! a store lands on GPU, a removal leaves every tier). Of a hybrid model's KV-cache groups
+//! (`group_idx`, `kv_cache_spec_kind`) only the full-attention group is indexed; events of other groups are dropped as [`DecodeError::OtherKvGroup`] (see
 //! [`indexed_group`]). A block's extra keys (vLLM `extra_keys`, SGLang `metadata.cache_salt`)
 //! become [`Event::block_extras`] (`vllm/extra_keys.rs`). Unknown and newer fields
 //! (`locality`, `session_id`, ...) are skipped; an unknown event tag becomes an
@@ -323,9 +323,8 @@ impl RawEvent<'_> {
             },
             (None, None) => "",
         };
-        let tier = self.medium.and_then(Tier::parse).unwrap_or_default();
         let mut ev = Event::new(kind, "", partition(adapter));
-        ev.tier = tier;
+        ev.tier = Tier::from_medium(self.medium);
         if kind == EventKind::Stored {
             let blocks = self.block_hashes.len();
             ev.content = content_from_tokens(self.token_ids, self.block_size, blocks)?;

@@ -10,7 +10,8 @@
 
 use super::hash::U64Map;
 use super::holders::EngineIdx;
-use crate::event::{PartitionKey, Tier};
+use crate::event::PartitionKey;
+use crate::event::TierSet;
 use smallvec::SmallVec;
 use std::ops::Range;
 use std::sync::Arc;
@@ -118,13 +119,13 @@ pub struct ChangeSet {
     pub cleared: Vec<(EngineIdx, u32)>,
     pub maps: Vec<MapChange>,
     pub blocks: Vec<BlockChange>,
-    /// Holders of every block in `blocks`, flat, as (shard-local engine id, tier).
-    pub holders: Vec<(EngineIdx, Tier)>,
+    /// Holders of every block in `blocks`, flat, as (shard-local engine id, tiers).
+    pub holders: Vec<(EngineIdx, TierSet)>,
 }
 
 impl ChangeSet {
     /// Holders of `block` (empty if deleted).
-    pub fn holders_of(&self, block: &BlockChange) -> &[(EngineIdx, Tier)] {
+    pub fn holders_of(&self, block: &BlockChange) -> &[(EngineIdx, TierSet)] {
         &self.holders[block.holders.start as usize..block.holders.end as usize]
     }
 

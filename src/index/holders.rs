@@ -1,31 +1,36 @@
 //! Who holds a block: the compact per-block membership list, and the bitset twin that dense
 //! blocks (held by many engines) keep so lookups intersect them a word at a time.
+//!
+//! An engine may hold one block on several tiers at once (vLLM's CPU offloading keeps the GPU
+//! copy until it is evicted; LMCache adds disk), so a membership carries a [`TierSet`], and a
+//! removal naming one medium drops only that tier.
 
 use crate::event::Tier;
+use crate::event::TierSet;
 
 /// An engine id local to one shard (dense, from 0), as interned by the shard.
 pub type EngineIdx = u32;
 
-/// The most engines one shard can intern: two bits of each packed holder carry the tier.
-pub const MAX_ENGINES: u32 = 1 << 30;
+/// The most engines one shard can intern: three bits of each packed holder carry its tiers.
+pub const MAX_ENGINES: u32 = 1 << 29;
 
-/// One (engine, tier) membership packed in 32 bits: `engine << 2 | tier`. Sorting packed values
-/// sorts by engine, so a binary search by engine works on the raw slice.
+/// One membership packed in 32 bits: `engine << 3 | tiers`. Sorting packed values sorts by
+/// engine, so a binary search by engine works on the raw slice.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Holder(u32);
 
 impl Holder {
     #[inline]
-    pub fn new(engine: EngineIdx, tier: Tier) -> Holder {
-        Holder((engine << 2) | tier as u32)
+    pub fn new(engine: EngineIdx, tiers: TierSet) -> Holder {
+        Holder((engine << 3) | tiers.bits() as u32)
     }
     #[inline]
     pub fn engine(self) -> EngineIdx {
-        self.0 >> 2
+        self.0 >> 3
     }
     #[inline]
-    pub fn tier(self) -> Tier {
-        Tier::from_bits(self.0)
+    pub fn tiers(self) -> TierSet {
+        TierSet::from_bits(self.0 as u8)
     }
 }
 
@@ -58,10 +63,18 @@ impl Default for Holders {
 pub enum SetOutcome {
     /// The engine was not a holder; it is now.
     Added,
-    /// The engine held the block at another tier (returned); the tier is replaced.
-    TierChanged(Tier),
+    /// The engine held the block on other tiers (returned); the tier joins them.
+    TierAdded(TierSet),
     /// Nothing changed.
     Unchanged,
+}
+
+/// What [`Holders::remove`] dropped: the engine's tiers before and after. `after` is empty
+/// when the engine no longer holds the block at all.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Removed {
+    pub before: TierSet,
+    pub after: TierSet,
 }
 
 impl Holders {
@@ -106,19 +119,19 @@ impl Holders {
         slice.binary_search_by_key(&engine, |h| h.engine())
     }
 
-    /// Makes `engine` a holder at `tier` (last writer wins on the tier).
+    /// Makes `engine` a holder on `tier`, besides any tiers it holds the block on already.
     #[inline]
     pub fn set(&mut self, engine: EngineIdx, tier: Tier) -> SetOutcome {
-        let holder = Holder::new(engine, tier);
+        let holder = Holder::new(engine, TierSet::of(tier));
         match self.position(engine) {
             Ok(i) => {
                 let slot = &mut self.as_mut_slice()[i];
-                let old = slot.tier();
-                if old == tier {
+                let old = slot.tiers();
+                if old.contains(tier) {
                     SetOutcome::Unchanged
                 } else {
-                    *slot = holder;
-                    SetOutcome::TierChanged(old)
+                    *slot = Holder::new(engine, old.with(tier));
+                    SetOutcome::TierAdded(old)
                 }
             }
             Err(i) => {
@@ -143,20 +156,28 @@ impl Holders {
         }
     }
 
-    /// Removes `engine`, returning the tier it held the block at.
+    /// Drops `tiers` of `engine`'s holding ([`TierSet::ALL`]: the whole membership); the
+    /// engine stops being a holder once it holds the block on no tier. `None` if it was not a
+    /// holder.
     #[inline]
-    pub fn remove(&mut self, engine: EngineIdx) -> Option<Tier> {
+    pub fn remove(&mut self, engine: EngineIdx, tiers: TierSet) -> Option<Removed> {
         let i = self.position(engine).ok()?;
+        let before = self.as_slice()[i].tiers();
+        let after = before.without(tiers);
+        if !after.is_empty() {
+            if after != before {
+                self.as_mut_slice()[i] = Holder::new(engine, after);
+            }
+            return Some(Removed { before, after });
+        }
         match self {
             Holders::Inline { len, items } => {
-                let tier = items[i].tier();
                 let n = *len as usize;
                 items.copy_within(i + 1..n, i);
                 *len -= 1;
-                Some(tier)
             }
             Holders::Heap(v) => {
-                let tier = v.remove(i).tier();
+                v.remove(i);
                 if v.len() <= INLINE {
                     let mut items = [Holder(0); INLINE];
                     items[..v.len()].copy_from_slice(v);
@@ -165,16 +186,30 @@ impl Holders {
                         items,
                     };
                 }
-                Some(tier)
             }
         }
+        Some(Removed { before, after })
     }
 
-    /// The tier `engine` holds the block at, if it holds it.
-    pub fn tier_of(&self, engine: EngineIdx) -> Option<Tier> {
+    /// The tiers `engine` holds the block on, if it holds it.
+    pub fn tiers_of(&self, engine: EngineIdx) -> Option<TierSet> {
         self.position(engine)
             .ok()
-            .map(|i| self.as_slice()[i].tier())
+            .map(|i| self.as_slice()[i].tiers())
+    }
+
+    /// Restores `engine`'s holding as `tiers` exactly (loads from L2 rows); an empty set is a
+    /// no-op.
+    pub fn set_tiers(&mut self, engine: EngineIdx, tiers: TierSet) -> SetOutcome {
+        let mut outcome = SetOutcome::Unchanged;
+        for tier in tiers.iter() {
+            match (self.set(engine, tier), outcome) {
+                (SetOutcome::Unchanged, _) => {}
+                (o, SetOutcome::Unchanged) => outcome = o,
+                _ => {}
+            }
+        }
+        outcome
     }
 
     /// Heap bytes owned beyond the inline storage (for L1 accounting).
@@ -189,15 +224,17 @@ impl Holders {
     }
 }
 
-/// Bitsets over a shard's engine ids for one dense block: which engines hold it, and which of
-/// those hold it on CPU or disk (GPU is the rest). Lookups AND these a word at a time instead of
-/// walking hundreds of holders per block.
+/// Bitsets over a shard's engine ids for one dense block: which engines hold it, and on which
+/// tiers. Lookups AND these a word at a time instead of walking hundreds of holders per block.
 #[derive(Clone, Debug, Default)]
 pub struct DenseBits {
-    /// `[held | cpu | disk]`, each `words` long.
+    /// `[held | gpu | cpu | disk]`, each `words` long.
     bits: Vec<u64>,
     words: usize,
 }
+
+/// Parts of [`DenseBits`]: the held set, then one per tier (`1 + Tier as usize`).
+const PARTS: usize = 4;
 
 impl DenseBits {
     /// Builds the bitsets for `holders`, sized for `engine_count` engines.
@@ -208,7 +245,7 @@ impl DenseBits {
         };
         d.grow(engine_count.max(1));
         for h in holders.as_slice() {
-            d.set(h.engine(), h.tier());
+            d.set(h.engine(), h.tiers());
         }
         d
     }
@@ -218,8 +255,8 @@ impl DenseBits {
         if words <= self.words {
             return;
         }
-        let mut bits = vec![0u64; words * 3];
-        for part in 0..3 {
+        let mut bits = vec![0u64; words * PARTS];
+        for part in 0..PARTS {
             bits[part * words..part * words + self.words]
                 .copy_from_slice(&self.bits[part * self.words..(part + 1) * self.words]);
         }
@@ -235,42 +272,34 @@ impl DenseBits {
     pub fn held(&self) -> &[u64] {
         &self.bits[..self.words]
     }
+    /// Engines holding the block on `tier`.
     #[inline]
-    pub fn cpu(&self) -> &[u64] {
-        &self.bits[self.words..2 * self.words]
-    }
-    #[inline]
-    pub fn disk(&self) -> &[u64] {
-        &self.bits[2 * self.words..]
+    pub fn on(&self, tier: Tier) -> &[u64] {
+        let part = 1 + tier as usize;
+        &self.bits[part * self.words..(part + 1) * self.words]
     }
 
-    /// Marks `engine` as holding the block at `tier`.
-    pub fn set(&mut self, engine: EngineIdx, tier: Tier) {
+    /// Records that `engine` holds the block on exactly `tiers` (empty: not at all).
+    pub fn set(&mut self, engine: EngineIdx, tiers: TierSet) {
         let e = engine as usize;
         self.grow(e + 1);
         let (w, b) = (e / 64, 1u64 << (e % 64));
         let words = self.words;
-        self.bits[w] |= b;
-        self.bits[words + w] &= !b;
-        self.bits[2 * words + w] &= !b;
-        match tier {
-            Tier::Gpu => {}
-            Tier::Cpu => self.bits[words + w] |= b,
-            Tier::Disk => self.bits[2 * words + w] |= b,
+        let mut put = |part: usize, on: bool| {
+            let word = &mut self.bits[part * words + w];
+            *word = if on { *word | b } else { *word & !b };
+        };
+        put(0, !tiers.is_empty());
+        for tier in Tier::ALL {
+            put(1 + tier as usize, tiers.contains(tier));
         }
     }
 
     /// Clears `engine`.
     pub fn clear(&mut self, engine: EngineIdx) {
-        let e = engine as usize;
-        if e / 64 >= self.words {
-            return;
+        if (engine as usize) / 64 < self.words {
+            self.set(engine, TierSet::EMPTY);
         }
-        let (w, b) = (e / 64, !(1u64 << (e % 64)));
-        let words = self.words;
-        self.bits[w] &= b;
-        self.bits[words + w] &= b;
-        self.bits[2 * words + w] &= b;
     }
 
     pub fn heap_bytes(&self) -> usize {
@@ -279,16 +308,16 @@ impl DenseBits {
 }
 
 /// When a block with `holders` holders, in a shard of `engines` engines, deserves bitsets:
-/// the bitsets (3 × engines/8 bytes) must cost at most ~6 bytes per membership.
+/// the bitsets (4 × engines/8 bytes) must cost at most ~6.4 bytes per membership.
 #[inline]
 pub fn should_be_dense(holders: usize, engines: usize) -> bool {
-    holders >= 32 && holders >= 4 * engines.div_ceil(64)
+    holders >= 32 && holders >= 5 * engines.div_ceil(64)
 }
 
 /// Hysteresis for dropping bitsets: half the promotion threshold.
 #[inline]
 pub fn should_stay_dense(holders: usize, engines: usize) -> bool {
-    holders >= 16 && holders >= 2 * engines.div_ceil(64)
+    holders >= 16 && 2 * holders >= 5 * engines.div_ceil(64)
 }
 
 #[cfg(test)]
@@ -296,22 +325,35 @@ mod tests {
     use super::*;
 
     #[test]
-    fn holders_stay_sorted_and_replace_tiers() {
+    fn holders_stay_sorted_and_keep_a_set_of_tiers() {
         let mut h = Holders::default();
         for e in [9, 3, 7, 1, 5, 11, 2, 8, 4, 6, 10, 0] {
             assert_eq!(h.set(e, Tier::Gpu), SetOutcome::Added);
         }
         let engines: Vec<_> = h.as_slice().iter().map(|x| x.engine()).collect();
         assert_eq!(engines, (0..12).collect::<Vec<_>>());
-        assert_eq!(h.set(7, Tier::Cpu), SetOutcome::TierChanged(Tier::Gpu));
+        let gpu = TierSet::of(Tier::Gpu);
+        let both = gpu.with(Tier::Cpu);
+        assert_eq!(h.set(7, Tier::Cpu), SetOutcome::TierAdded(gpu));
         assert_eq!(h.set(7, Tier::Cpu), SetOutcome::Unchanged);
-        assert_eq!(h.tier_of(7), Some(Tier::Cpu));
-        assert_eq!(h.remove(7), Some(Tier::Cpu));
-        assert_eq!(h.remove(7), None);
+        assert_eq!(h.tiers_of(7), Some(both));
+        // Dropping one medium keeps the other; dropping the last one drops the holder.
+        let removed = h.remove(7, gpu).unwrap();
+        assert_eq!(
+            (removed.before, removed.after),
+            (both, TierSet::of(Tier::Cpu))
+        );
+        assert_eq!(h.len(), 12);
+        assert_eq!(
+            h.remove(7, TierSet::of(Tier::Disk)).unwrap().after,
+            TierSet::of(Tier::Cpu)
+        );
+        assert!(h.remove(7, TierSet::ALL).unwrap().after.is_empty());
+        assert_eq!(h.remove(7, TierSet::ALL), None);
         assert_eq!(h.len(), 11);
         // Back down to inline storage, still sorted.
         for e in [0, 2, 4, 6, 8, 10, 11, 1] {
-            h.remove(e);
+            h.remove(e, TierSet::ALL);
         }
         assert!(matches!(h, Holders::Inline { len: 3, .. }));
         assert_eq!(
@@ -327,20 +369,29 @@ mod tests {
     }
 
     #[test]
+    fn the_largest_engine_id_keeps_its_tiers() {
+        let h = Holder::new(MAX_ENGINES - 1, TierSet::ALL);
+        assert_eq!((h.engine(), h.tiers()), (MAX_ENGINES - 1, TierSet::ALL));
+        assert_eq!(TierSet::of(Tier::Cpu).with(Tier::Disk).fastest(), Tier::Cpu);
+        assert_eq!(TierSet::ALL.fastest(), Tier::Gpu);
+    }
+
+    #[test]
     fn dense_bits_track_tiers_and_grow() {
         let mut h = Holders::default();
         h.set(3, Tier::Disk);
         let mut d = DenseBits::from_holders(&h, 10);
         assert_eq!(d.words(), 1);
-        d.set(130, Tier::Cpu);
+        d.set(130, TierSet::of(Tier::Cpu).with(Tier::Gpu));
         assert_eq!(d.words(), 3);
         assert_eq!(d.held()[0], 1 << 3);
-        assert_eq!(d.disk()[0], 1 << 3);
-        assert_eq!(d.cpu()[2], 1 << 2);
-        d.set(130, Tier::Gpu);
-        assert_eq!(d.cpu()[2], 0);
+        assert_eq!(d.on(Tier::Disk)[0], 1 << 3);
+        assert_eq!(d.on(Tier::Cpu)[2], 1 << 2);
+        assert_eq!(d.on(Tier::Gpu)[2], 1 << 2);
+        d.set(130, TierSet::of(Tier::Gpu));
+        assert_eq!(d.on(Tier::Cpu)[2], 0);
         d.clear(3);
         assert_eq!(d.held()[0], 0);
-        assert_eq!(d.disk()[0], 0);
+        assert_eq!(d.on(Tier::Disk)[0], 0);
     }
 }

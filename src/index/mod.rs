@@ -17,11 +17,13 @@ pub mod holders;
 pub mod l1;
 pub mod shard;
 pub mod table;
+pub mod tiers;
 
 pub use block_sizes::{BlockSizes, Observed, PinnedSize};
 pub use changes::{BlockChange, ChangeSet, EngineChange, MapChange};
 pub use l1::ShardL1;
 pub use shard::{RawMatch, Shard, SkipReason};
+pub use tiers::{TierMix, TierWeights};
 
 use crate::event::{EngineHash, Event, PartitionKey, Tier};
 use parking_lot::RwLock;
@@ -75,22 +77,53 @@ pub enum QueryBlocks {
 }
 
 /// One engine in a lookup answer, owned (tests, tools). The service reads [`Answer::iter`].
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct EngineMatch {
     pub engine_id: String,
     pub matched_blocks: u32,
+    /// The fastest tier the engine holds its last matched block on.
     pub tier: Tier,
+    /// Matched blocks held on each tier (`Tier as usize`; a block on two tiers counts twice).
+    pub blocks_on: [u32; 3],
+    /// The weighted prefix score, when the lookup gave [`TierWeights`].
+    pub score: Option<f64>,
 }
 
-/// One row of an [`Answer`], borrowing the engine's name.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// One row of an [`Answer`], borrowing the engine's name. Fields as in [`EngineMatch`].
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Match<'a> {
     pub engine_id: &'a str,
     pub matched_blocks: u32,
     pub tier: Tier,
+    pub blocks_on: [u32; 3],
+    pub score: Option<f64>,
 }
 
-/// A lookup's rows, sorted by `matched_blocks` descending, then `engine_id` ascending.
+/// What a lookup returns and how it ranks.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LookupOptions {
+    /// The most rows (the best ones).
+    pub limit: usize,
+    /// Only engines kvindex applied an event of at or after this time (its own clock; an
+    /// engine loaded from disk and silent since counts as heard when the index was created).
+    /// `None`: every engine.
+    pub heard_since_us: Option<i64>,
+    /// Rank by the weighted prefix score ([`TierMix::score`]) instead of the prefix length.
+    pub tier_weights: Option<TierWeights>,
+}
+
+impl Default for LookupOptions {
+    fn default() -> Self {
+        LookupOptions {
+            limit: usize::MAX,
+            heard_since_us: None,
+            tier_weights: None,
+        }
+    }
+}
+
+/// A lookup's rows, sorted by `matched_blocks` descending (or by score, with tier weights),
+/// then `engine_id` ascending.
 ///
 /// Rows name engines by (shard, id) and the answer keeps one shared reference to each shard's
 /// name list: a thousand-engine answer costs a few refcounts, not a thousand string copies.
@@ -98,6 +131,7 @@ pub struct Match<'a> {
 pub struct Answer {
     rows: Vec<(u16, RawMatch)>,
     names: Vec<Arc<Vec<Arc<str>>>>,
+    weights: Option<TierWeights>,
 }
 
 impl Answer {
@@ -112,6 +146,8 @@ impl Answer {
             engine_id: &self.names[*s as usize][m.engine as usize],
             matched_blocks: m.matched,
             tier: m.tier,
+            blocks_on: Tier::ALL.map(|t| m.mix.on(t, m.matched)),
+            score: self.weights.map(|w| m.mix.score(m.matched, &w)),
         })
     }
     /// Owned rows.
@@ -121,8 +157,22 @@ impl Answer {
                 engine_id: m.engine_id.to_string(),
                 matched_blocks: m.matched_blocks,
                 tier: m.tier,
+                blocks_on: m.blocks_on,
+                score: m.score,
             })
             .collect()
+    }
+    /// Whether row `a` ranks before row `b` among rows of different shards: score (with
+    /// weights) or prefix length descending, then engine name.
+    fn ranks_before(&self, a: &(u16, RawMatch), b: &(u16, RawMatch)) -> bool {
+        let by_score = self.weights.map_or(std::cmp::Ordering::Equal, |w| {
+            let score = |r: &(u16, RawMatch)| r.1.mix.score(r.1.matched, &w);
+            score(b).total_cmp(&score(a))
+        });
+        by_score
+            .then_with(|| b.1.matched.cmp(&a.1.matched))
+            .then_with(|| self.name(a).cmp(self.name(b)))
+            .is_lt()
     }
     fn name(&self, row: &(u16, RawMatch)) -> &str {
         &self.names[row.0 as usize][row.1.engine as usize]
@@ -347,21 +397,21 @@ impl Index {
     /// [`Index::lookup_keys`] cut to the best `limit` engines, computed as such: each shard
     /// orders only the rows that can make the cut, and the merge stops at `limit`.
     pub fn lookup_keys_limited(&self, keys: &[u64], limit: usize) -> Answer {
-        self.lookup_keys_heard(keys, limit, None)
+        let options = LookupOptions {
+            limit,
+            ..LookupOptions::default()
+        };
+        self.lookup_keys_with(keys, &options)
     }
 
-    /// [`Index::lookup_keys_limited`] over the engines kvindex applied an event of at or after
-    /// `heard_since_us` (its own clock; an engine loaded from disk and silent since counts as
-    /// heard when this index was created). `None`: every engine.
-    pub fn lookup_keys_heard(
-        &self,
-        keys: &[u64],
-        limit: usize,
-        heard_since_us: Option<i64>,
-    ) -> Answer {
+    /// The engines holding the longest runs of leading `keys`, filtered, ranked and cut as
+    /// `options` says.
+    pub fn lookup_keys_with(&self, keys: &[u64], options: &LookupOptions) -> Answer {
+        let limit = options.limit;
         let mut answer = Answer {
             rows: Vec::new(),
             names: Vec::with_capacity(self.shards.len()),
+            weights: options.tier_weights,
         };
         let mut raw = Vec::new();
         // Where each shard's rows start in `answer.rows`.
@@ -370,15 +420,22 @@ impl Index {
             raw.clear();
             let shard = s.read();
             // Each shard orders its own rows with integer keys (name ranks); only the merge
-            // below compares names, and only between rows of two shards.
-            match heard_since_us {
-                None => shard.lookup_sorted(keys, &mut raw, limit),
-                Some(since) => {
-                    shard.lookup_sorted(keys, &mut raw, usize::MAX);
-                    raw.retain(|m| shard.engine_heard_us(m.engine, self.created_us) >= since);
-                    raw.truncate(limit);
-                }
+            // below compares names, and only between rows of two shards. A filter or a score
+            // can put any row in the best `limit`, so then every row is kept until it ran.
+            let exact = options.heard_since_us.is_none() && options.tier_weights.is_none();
+            shard.lookup_sorted(keys, &mut raw, if exact { limit } else { usize::MAX });
+            if let Some(since) = options.heard_since_us {
+                raw.retain(|m| shard.engine_heard_us(m.engine, self.created_us) >= since);
             }
+            if let Some(w) = &options.tier_weights {
+                // Stable: rows of equal score keep the shard's (prefix, name) order.
+                raw.sort_by(|a, b| {
+                    b.mix
+                        .score(b.matched, w)
+                        .total_cmp(&a.mix.score(a.matched, w))
+                });
+            }
+            raw.truncate(limit);
             answer.names.push(shard.engine_names().clone());
             runs.push(answer.rows.len());
             answer.rows.reserve(raw.len());
@@ -403,19 +460,22 @@ impl Index {
         blocks: &QueryBlocks,
         limit: usize,
     ) -> (usize, Answer) {
-        self.lookup_heard(partition, blocks, limit, None)
+        let options = LookupOptions {
+            limit,
+            ..LookupOptions::default()
+        };
+        self.lookup_with(partition, blocks, &options)
     }
 
-    /// [`Index::query_keys`] then [`Index::lookup_keys_heard`].
-    pub fn lookup_heard(
+    /// [`Index::query_keys`] then [`Index::lookup_keys_with`].
+    pub fn lookup_with(
         &self,
         partition: &PartitionKey,
         blocks: &QueryBlocks,
-        limit: usize,
-        heard_since_us: Option<i64>,
+        options: &LookupOptions,
     ) -> (usize, Answer) {
         let keys = self.query_keys(partition, blocks);
-        let rows = self.lookup_keys_heard(&keys, limit, heard_since_us);
+        let rows = self.lookup_keys_with(&keys, options);
         (keys.len(), rows)
     }
 
@@ -468,7 +528,7 @@ impl Index {
                         ..EngineInfo::default()
                     });
                 info.blocks += e.blocks_held();
-                for (t, c) in e.tier_counts.iter().enumerate() {
+                for (t, c) in e.holdings.on.iter().enumerate() {
                     info.blocks_by_tier[t] += c;
                 }
                 info.partitions.extend(
@@ -484,7 +544,7 @@ impl Index {
 }
 
 /// Merges the sorted per-shard runs of `answer.rows` (bounded by `runs`) into one sorted list
-/// of at most `limit` rows: `matched` descending, then engine name ascending. k (shards) is
+/// of at most `limit` rows, in [`Answer::ranks_before`] order. k (shards) is
 /// small, so a linear scan for the best head beats a heap.
 fn merge_runs(answer: &mut Answer, runs: &[usize], limit: usize) {
     let mut cursors: Vec<(usize, usize)> = runs.windows(2).map(|w| (w[0], w[1])).collect();
@@ -495,13 +555,8 @@ fn merge_runs(answer: &mut Answer, runs: &[usize], limit: usize) {
             if at == end {
                 continue;
             }
-            let better = best.is_none_or(|b| {
-                let (x, y) = (&answer.rows[at], &answer.rows[cursors[b].0]);
-                y.1.matched
-                    .cmp(&x.1.matched)
-                    .then_with(|| answer.name(x).cmp(answer.name(y)))
-                    .is_lt()
-            });
+            let better = best
+                .is_none_or(|b| answer.ranks_before(&answer.rows[at], &answer.rows[cursors[b].0]));
             if better {
                 best = Some(c);
             }

@@ -67,6 +67,10 @@ pub struct FleetSettings {
     /// by an eviction or a restart is reused for other content), as engines that name blocks
     /// by their physical id do, instead of a content hash.
     pub reuse_hashes: bool,
+    /// Engines offload to host memory as vLLM's CPU offloading does: about a third of stored
+    /// chains are also stored on CPU (a second `Stored` naming `CPU`), and evictions name the
+    /// GPU, so the CPU copies stay (until the engine restarts).
+    pub cpu_offload: bool,
 }
 
 impl Default for FleetSettings {
@@ -81,6 +85,7 @@ impl Default for FleetSettings {
             seed: 1,
             clear_every: 5000,
             reuse_hashes: false,
+            cpu_offload: false,
         }
     }
 }
@@ -721,6 +726,9 @@ impl Fleet {
             partition.adapter = self.workload.adapters[a as usize].clone();
             let mut ev = Event::new(EventKind::Removed, self.engines[e].name.clone(), partition);
             ev.adapter_scoped = a != 0 || self.rng.chance(0.5);
+            if self.cfg.cpu_offload {
+                ev.tier = Some(Tier::Gpu);
+            }
             ev.block_hashes = evicted[start..end]
                 .iter()
                 .map(|v| EngineHash(v.0))
@@ -746,7 +754,15 @@ impl Fleet {
             token_ids: req.tokens[hit * bs..blocks * bs].to_vec(),
             block_size: bs as u32,
         };
-        ev.tier = Tier::Gpu;
+        ev.tier = Some(Tier::Gpu);
+        let offloaded = (self.cfg.cpu_offload && self.rng.chance(0.3)).then(|| {
+            let mut copy = ev.clone();
+            copy.tier = Some(Tier::Cpu);
+            copy
+        });
         self.emit(e, ev, out);
+        if let Some(copy) = offloaded {
+            self.emit(e, copy, out);
+        }
     }
 }

@@ -39,7 +39,7 @@
 //! whatever prefix landed is simply rewritten by a later attempt. Rows are current values, not
 //! deltas, so writing one twice is harmless.
 
-use crate::event::Tier;
+use crate::event::TierSet;
 use std::fmt::Debug;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -244,7 +244,7 @@ pub struct L2ReadError(pub String);
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct StoredBlock {
     pub partition: u32,
-    pub holders: Vec<(u32, Tier)>,
+    pub holders: Vec<(u32, TierSet)>,
 }
 
 /// The L1 side's view of L2: point reads of a shard's rows, and the encoding of the rows
@@ -266,6 +266,6 @@ pub trait L2Reader: Send + Sync {
         partition: u32,
         each: &mut dyn FnMut(u64, u64),
     ) -> Result<(), L2ReadError>;
-    fn block_row(&self, shard: u16, key: u64, partition: u32, holders: &[(u32, Tier)]) -> L2Row;
+    fn block_row(&self, shard: u16, key: u64, partition: u32, holders: &[(u32, TierSet)]) -> L2Row;
     fn map_row(&self, shard: u16, engine: u32, partition: u32, hash: u64, block: u64) -> L2Row;
 }

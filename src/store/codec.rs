@@ -4,7 +4,7 @@
 //!
 //! | column family | key | value |
 //! | --- | --- | --- |
-//! | `blocks` | shard u16, block key u64 | partition id u32, then (engine id u32, tier u8)* |
+//! | `blocks` | shard u16, block key u64 | partition id u32, then (engine id u32, tiers u8)* |
 //! | `maps` | shard u16, engine id u32, partition id u32, engine hash u64 | block key u64 |
 //! | `offsets` | shard u16, source len u16, source, partition i32 | next offset i64 |
 //! | `meta` | tag u8, ... (see the `TAG_*` constants) | |
@@ -17,7 +17,7 @@
 //! needs it to rebuild the per-partition counters without a join against the map rows.
 
 use super::StoreError;
-use crate::event::{PartitionKey, Tier};
+use crate::event::{PartitionKey, Tier, TierSet};
 
 pub const CF_BLOCKS: &str = "blocks";
 pub const CF_MAPS: &str = "maps";
@@ -150,17 +150,32 @@ pub fn decode_partition(mut bytes: &[u8]) -> Result<PartitionKey, StoreError> {
     })
 }
 
+/// The high bit of a holder's tier byte marks a tier set (bits `Tier as u8` below it). Rows
+/// written before an engine could hold a block on several tiers carry a single tier's
+/// number (0, 1, 2) instead; both read back the same.
+const TIER_SET_FLAG: u8 = 0x80;
+
 /// Appends one holder of a block row.
 #[inline]
-pub fn push_holder(out: &mut Vec<u8>, engine: u32, tier: Tier) {
+pub fn push_holder(out: &mut Vec<u8>, engine: u32, tiers: TierSet) {
     out.extend_from_slice(&engine.to_be_bytes());
-    out.push(tier as u8);
+    out.push(TIER_SET_FLAG | tiers.bits());
 }
 
-/// The partition id and the (engine id, tier) holders of a block row.
+/// The tiers of a holder's tier byte, in either layout (see [`TIER_SET_FLAG`]).
+#[inline]
+fn tiers_of_byte(b: u8) -> TierSet {
+    if b & TIER_SET_FLAG != 0 {
+        TierSet::from_bits(b)
+    } else {
+        TierSet::of(Tier::from_bits(b as u32))
+    }
+}
+
+/// The partition id and the (engine id, tiers) holders of a block row.
 pub fn decode_block(
     value: &[u8],
-) -> Result<(u32, impl Iterator<Item = (u32, Tier)> + '_), StoreError> {
+) -> Result<(u32, impl Iterator<Item = (u32, TierSet)> + '_), StoreError> {
     let partition = u32_at(value, 0).ok_or_else(|| corrupt("block row", value))?;
     let rest = &value[4..];
     if !rest.len().is_multiple_of(5) {
@@ -168,7 +183,7 @@ pub fn decode_block(
     }
     let holders = rest.chunks_exact(5).map(|c| {
         let engine = u32::from_be_bytes([c[0], c[1], c[2], c[3]]);
-        (engine, Tier::from_bits(c[4] as u32))
+        (engine, tiers_of_byte(c[4]))
     });
     Ok((partition, holders))
 }
@@ -215,5 +230,24 @@ mod tests {
         assert_eq!(decode_partition(&encode_partition(&k)).ok(), Some(k));
         assert!(decode_partition(&[0, 0, 0, 9, b'x']).is_err());
         assert!(decode_block(&[0, 0, 0, 1, 0, 0]).is_err());
+    }
+
+    #[test]
+    fn block_rows_carry_tier_sets_and_read_single_tier_rows() {
+        let both = TierSet::of(Tier::Gpu).with(Tier::Cpu);
+        let mut row = 7u32.to_be_bytes().to_vec();
+        push_holder(&mut row, 3, both);
+        // A row from before tier sets: engine 4 on disk, engine 5 on GPU.
+        row.extend_from_slice(&[0, 0, 0, 4, Tier::Disk as u8, 0, 0, 0, 5, 0]);
+        let (partition, holders) = decode_block(&row).unwrap();
+        assert_eq!(partition, 7);
+        assert_eq!(
+            holders.collect::<Vec<_>>(),
+            vec![
+                (3, both),
+                (4, TierSet::of(Tier::Disk)),
+                (5, TierSet::of(Tier::Gpu))
+            ]
+        );
     }
 }

@@ -8,7 +8,7 @@
 
 use super::codec::*;
 use super::{Store, StoreError};
-use crate::event::{PartitionKey, Tier};
+use crate::event::{PartitionKey, TierSet};
 use crate::spill::{L2Error, L2ReadError, L2Reader, L2Row, L2Sink, StoredBlock};
 use rocksdb::WriteBatch;
 use std::sync::Arc;
@@ -92,7 +92,7 @@ impl L2Reader for Store {
         .map_err(read_error)
     }
 
-    fn block_row(&self, shard: u16, key: u64, partition: u32, holders: &[(u32, Tier)]) -> L2Row {
+    fn block_row(&self, shard: u16, key: u64, partition: u32, holders: &[(u32, TierSet)]) -> L2Row {
         let mut value = Vec::with_capacity(4 + 5 * holders.len());
         value.extend_from_slice(&partition.to_be_bytes());
         for &(e, tier) in holders {

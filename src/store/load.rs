@@ -3,7 +3,7 @@
 
 use super::codec::*;
 use super::{LoadStats, Store, StoreError};
-use crate::event::{PartitionKey, Tier};
+use crate::event::{PartitionKey, TierSet};
 use crate::index::Shard;
 use crate::index::holders::EngineIdx;
 use crate::index::shard::{BLOCK_ENTRY_BYTES, MAP_ENTRY_BYTES};
@@ -94,7 +94,8 @@ impl Store {
         l.into.reserve_blocks(per_shard);
         // Rows arrive in key order but land in random table slots: they are restored in
         // groups whose slots are prefetched first, so the cache misses overlap.
-        let mut pending: Vec<(u64, u32, EngineIdx, Tier)> = Vec::with_capacity(RESTORE_GROUP * 2);
+        let mut pending: Vec<(u64, u32, EngineIdx, TierSet)> =
+            Vec::with_capacity(RESTORE_GROUP * 2);
         self.scan(CF_BLOCKS, &shard.to_be_bytes(), |k, v| {
             let block = u64_at(k, 2).ok_or_else(|| corrupt("block key", k))?;
             let (p, holders) = decode_block(v)?;
@@ -140,7 +141,7 @@ struct Loader<'a> {
 impl Loader<'_> {
     /// Restores the buffered (block, partition, engine, tier) memberships, whose block slots
     /// were prefetched as they were read.
-    fn restore_memberships(&mut self, pending: &mut Vec<(u64, u32, EngineIdx, Tier)>) {
+    fn restore_memberships(&mut self, pending: &mut Vec<(u64, u32, EngineIdx, TierSet)>) {
         for (block, pid, eid, tier) in pending.drain(..) {
             self.into.restore_membership(pid, eid, block, tier);
             self.stats.memberships += 1;

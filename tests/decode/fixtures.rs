@@ -176,9 +176,10 @@ fn expected_vllm(doc: &Value, lora_names: &HashMap<i64, String>) -> (Vec<Event>,
             (None, None) => String::new(),
         };
         let tier = match e["medium"].as_str() {
-            None | Some("GPU") => Tier::Gpu,
-            Some("CPU") => Tier::Cpu,
-            Some("STORAGE") | Some("DISK") => Tier::Disk,
+            None => None,
+            Some("GPU") => Some(Tier::Gpu),
+            Some("CPU") => Some(Tier::Cpu),
+            Some("STORAGE") | Some("DISK") => Some(Tier::Disk),
             Some(other) => panic!("medium {other}"),
         };
         let hashes: Vec<EngineHash> = e["block_hashes"]
@@ -272,7 +273,7 @@ fn vllm_lora_id_table_fails_closed() {
     assert!(mapped.skipped.is_empty());
     let ev = &mapped.events[0];
     assert_eq!(ev.partition, PartitionKey::new(TENANT, MODEL, "sql-lora"));
-    assert_eq!(ev.tier, Tier::Cpu);
+    assert_eq!(ev.tier, Some(Tier::Cpu));
     assert_eq!(ev.engine, "engine-a#dp1");
     // 32-byte hashes are folded with xxh3.
     let raw =
@@ -288,7 +289,7 @@ fn vllm_lora_name_wins_storage_is_disk_extra_fields_ignored() {
     assert_eq!(got.events.len(), 1);
     let ev = &got.events[0];
     assert_eq!(ev.partition.adapter, "sql-lora");
-    assert_eq!(ev.tier, Tier::Disk);
+    assert_eq!(ev.tier, Some(Tier::Disk));
     assert_eq!(ev.engine, "engine-a#dp1");
     assert_eq!(
         ev.block_hashes,
@@ -432,13 +433,13 @@ fn sample_events() -> Vec<Event> {
     stored.block_hashes = vec![EngineHash(1), EngineHash(u64::MAX), EngineHash(0xdead_beef)];
     stored.parent_hash = Some(EngineHash(42));
     stored.content = tokens(3, 4);
-    stored.tier = Tier::Cpu;
+    stored.tier = Some(Tier::Cpu);
     stored.timestamp_us = 1_767_225_600_123_456;
     stored.seq = 99;
 
     let mut hash_only = Event::new(EventKind::Stored, "r2", PartitionKey::new("", MODEL, ""));
     hash_only.block_hashes = vec![EngineHash(7)];
-    hash_only.tier = Tier::Disk;
+    hash_only.tier = Some(Tier::Disk);
 
     let mut removed = Event::new(
         EventKind::Removed,
@@ -524,14 +525,14 @@ fn vllm_round_trip() {
     stored.block_hashes = vec![EngineHash(u64::MAX), EngineHash(5)];
     stored.parent_hash = Some(EngineHash(1 << 63));
     stored.content = tokens(2, 16);
-    stored.tier = Tier::Disk;
+    stored.tier = Some(Tier::Disk);
     let mut removed = Event::new(
         EventKind::Removed,
         &engine,
         PartitionKey::new(TENANT, MODEL, ""),
     );
     removed.block_hashes = vec![EngineHash(5)];
-    removed.tier = Tier::Cpu;
+    removed.tier = Some(Tier::Cpu);
     let mut scoped = Event::new(
         EventKind::Removed,
         &engine,

@@ -80,7 +80,7 @@ fn positional_and_map_salted_stores_with_attention_dp_rank_and_sglang_media() {
         "attn_dp_rank names the rank"
     );
     assert_eq!(events[0].kind, EventKind::Stored);
-    assert_eq!(events[0].tier, Tier::Cpu);
+    assert_eq!(events[0].tier, Some(Tier::Cpu));
     assert_eq!(
         events[0].partition.adapter, "",
         "the metadata map is not a LoRA name"
@@ -96,7 +96,7 @@ fn positional_and_map_salted_stores_with_attention_dp_rank_and_sglang_media() {
             block_size: 2
         }
     );
-    assert_eq!(events[1].tier, Tier::Disk);
+    assert_eq!(events[1].tier, Some(Tier::Disk));
     assert_eq!(events[1].parent_hash, Some(EngineHash(7)));
     assert_eq!(events[2].kind, EventKind::Removed);
 }

@@ -17,6 +17,7 @@ fn test_config(seed: u64) -> FleetSettings {
         seed,
         clear_every: 2000,
         reuse_hashes: false,
+        cpu_offload: false,
     }
 }
 

@@ -13,4 +13,5 @@ mod semantics;
 mod spill;
 mod spill_controller;
 mod store;
+mod tiers;
 mod trace;

@@ -3,8 +3,8 @@
 //! comparison with an independent reference model.
 
 use kvindex::event::{BlockContent, EngineHash, Event, EventKind, PartitionKey, Tier};
-use kvindex::index::{EngineMatch, Index, IndexSettings, QueryBlocks, SkipReason};
-use std::collections::{BTreeMap, HashMap};
+use kvindex::index::{Index, IndexSettings, LookupOptions, QueryBlocks, SkipReason, TierWeights};
+use std::collections::{BTreeSet, HashMap};
 
 const BS: u32 = 4;
 
@@ -36,7 +36,7 @@ fn store(engine: &str, p: PartitionKey, family: u32, from: u32, to: u32, tier: T
         token_ids: (from..to).flat_map(|b| block_tokens(family, b)).collect(),
         block_size: BS,
     };
-    ev.tier = tier;
+    ev.tier = Some(tier);
     ev
 }
 
@@ -279,33 +279,6 @@ fn eviction_then_restore_returns_every_counter() {
 }
 
 #[test]
-fn restoring_at_another_tier_replaces_the_tier() {
-    for index in indexes() {
-        apply(&index, &store("e", part(""), 1, 0, 2, Tier::Gpu));
-        apply(&index, &store("e", part(""), 1, 0, 2, Tier::Cpu));
-        let (_, got) = index.lookup(
-            &part(""),
-            &QueryBlocks::Tokens {
-                token_ids: tokens(1, 2),
-                block_size: BS,
-                extras: Vec::new(),
-            },
-        );
-        assert_eq!(
-            got.to_vec(),
-            vec![EngineMatch {
-                engine_id: "e".into(),
-                matched_blocks: 2,
-                tier: Tier::Cpu
-            }]
-        );
-        let e = &index.engines()[0];
-        assert_eq!(e.blocks_by_tier, [0, 2, 0]);
-        assert_eq!(index.stats().memberships, 2);
-    }
-}
-
-#[test]
 fn hash_only_producers_match_by_block_hashes() {
     for index in indexes() {
         let mut ev = Event::new(EventKind::Stored, "ic-0", part(""));
@@ -364,8 +337,12 @@ fn malformed_chains_are_skipped_with_reasons() {
     assert_eq!(index.stats().memberships, 0);
 }
 
-/// One engine's hashes in one partition → (token prefix through that block, tier).
-type EngineHashes = HashMap<EngineHash, (Vec<u32>, Tier)>;
+/// One engine's hashes in one partition → (token prefix through that block, its tiers).
+type EngineHashes = HashMap<EngineHash, (Vec<u32>, BTreeSet<Tier>)>;
+
+/// A lookup row as the oracle computes it: (engine, matched blocks, fastest tier of the last
+/// matched block, matched blocks on each tier).
+type Row = (String, u32, Tier, [u32; 3]);
 
 /// Independent oracle: each (partition, engine) holds a set of token prefixes (the full token
 /// vector up to and including a block), and maps its engine hashes to them. No hashing.
@@ -400,7 +377,17 @@ impl Model {
                     .zip(token_ids.chunks(*block_size as usize))
                 {
                     prefix.extend_from_slice(chunk);
-                    map.insert(*h, (prefix.clone(), ev.tier));
+                    let tier = ev.tier.unwrap_or(Tier::Gpu);
+                    match map.get_mut(h) {
+                        // The same block again: one more tier.
+                        Some((held, tiers)) if *held == prefix => {
+                            tiers.insert(tier);
+                        }
+                        // New, or the hash reused for other content: replaced.
+                        _ => {
+                            map.insert(*h, (prefix.clone(), BTreeSet::from([tier])));
+                        }
+                    }
                 }
             }
             EventKind::Removed => {
@@ -412,7 +399,17 @@ impl Model {
                     };
                     if *e == ev.engine && reach {
                         for h in &ev.block_hashes {
-                            map.remove(h);
+                            match (ev.tier, map.get_mut(h)) {
+                                (Some(t), Some((_, tiers))) => {
+                                    tiers.remove(&t);
+                                    if tiers.is_empty() {
+                                        map.remove(h);
+                                    }
+                                }
+                                _ => {
+                                    map.remove(h);
+                                }
+                            }
                         }
                     }
                 }
@@ -431,26 +428,59 @@ impl Model {
         }
     }
 
-    fn lookup(&self, p: &PartitionKey, query: &[u32]) -> Vec<(String, u32, Tier)> {
-        let mut out = BTreeMap::new();
+    fn lookup(&self, p: &PartitionKey, query: &[u32]) -> Vec<Row> {
+        let mut rows = Vec::new();
         for ((part, engine), map) in &self.held {
             if part != p {
                 continue;
             }
-            let prefixes: HashMap<&Vec<u32>, Tier> = map.values().map(|(v, t)| (v, *t)).collect();
-            let mut matched = None;
+            let prefixes: HashMap<&Vec<u32>, &BTreeSet<Tier>> =
+                map.values().map(|(v, t)| (v, t)).collect();
+            let mut on = [0u32; 3];
+            let mut last = None;
             for b in 1..=query.len() / BS as usize {
-                match prefixes.get(&query[..b * BS as usize].to_vec()) {
-                    Some(t) => matched = Some((b as u32, *t)),
-                    None => break,
+                let Some(tiers) = prefixes.get(&query[..b * BS as usize].to_vec()) else {
+                    break;
+                };
+                for t in tiers.iter() {
+                    on[*t as usize] += 1;
                 }
+                last = Some((b as u32, *tiers.first().unwrap()));
             }
-            if let Some((m, t)) = matched {
-                out.insert(engine.clone(), (m, t));
+            if let Some((matched, fastest)) = last {
+                rows.push((engine.clone(), matched, fastest, on));
             }
         }
-        let mut rows: Vec<_> = out.into_iter().map(|(e, (m, t))| (e, m, t)).collect();
         rows.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+        rows
+    }
+
+    /// The rows ranked by the weighted score (each block worth the best weight of its
+    /// tiers), then matched blocks, then engine; with each row's score.
+    fn lookup_weighted(&self, p: &PartitionKey, query: &[u32], w: [f64; 3]) -> Vec<(Row, f64)> {
+        let mut rows: Vec<(Row, f64)> = Vec::new();
+        for ((part, engine), map) in &self.held {
+            if part != p {
+                continue;
+            }
+            let prefixes: HashMap<&Vec<u32>, &BTreeSet<Tier>> =
+                map.values().map(|(v, t)| (v, t)).collect();
+            let mut score = 0.0;
+            for b in 1..=query.len() / BS as usize {
+                let Some(tiers) = prefixes.get(&query[..b * BS as usize].to_vec()) else {
+                    break;
+                };
+                score += tiers.iter().map(|t| w[*t as usize]).fold(0.0, f64::max);
+            }
+            if let Some(row) = self.lookup(p, query).into_iter().find(|r| r.0 == *engine) {
+                rows.push((row, score));
+            }
+        }
+        rows.sort_by(|a, b| {
+            b.1.total_cmp(&a.1)
+                .then_with(|| b.0.1.cmp(&a.0.1))
+                .then_with(|| a.0.0.cmp(&b.0.0))
+        });
         rows
     }
 }
@@ -489,13 +519,23 @@ fn randomized_against_reference_model() {
                 }
                 35..=48 => {
                     let first = next(12) as u32;
-                    remove(
+                    let mut ev = remove(
                         &engine,
                         p,
                         next(2) == 0,
                         family,
                         first..first + 1 + next(3) as u32,
-                    )
+                    );
+                    // Half the removals name the medium they leave.
+                    ev.tier = [
+                        None,
+                        None,
+                        None,
+                        Some(Tier::Gpu),
+                        Some(Tier::Cpu),
+                        Some(Tier::Disk),
+                    ][next(6) as usize];
+                    ev
                 }
                 _ => Event::new(EventKind::AllCleared, engine, p),
             };
@@ -512,13 +552,48 @@ fn randomized_against_reference_model() {
                             block_size: BS,
                             extras: Vec::new(),
                         };
-                        let got: Vec<_> = index
+                        let got: Vec<Row> = index
                             .lookup(&part(a), &q)
                             .1
                             .iter()
-                            .map(|m| (m.engine_id.to_string(), m.matched_blocks, m.tier))
+                            .map(|m| {
+                                (
+                                    m.engine_id.to_string(),
+                                    m.matched_blocks,
+                                    m.tier,
+                                    m.blocks_on,
+                                )
+                            })
                             .collect();
                         assert_eq!(got, want, "step {step} adapter {a:?} family {family}");
+                        // Ranked by a weighted score (dyadic weights: sums are exact).
+                        let w = [[1.0, 0.75, 0.5], [0.25, 1.0, 0.5]][family as usize % 2];
+                        let QueryBlocks::Tokens { token_ids, .. } = &q else {
+                            unreachable!()
+                        };
+                        let want = model.lookup_weighted(&part(a), token_ids, w);
+                        let options = LookupOptions {
+                            tier_weights: Some(TierWeights(w)),
+                            ..LookupOptions::default()
+                        };
+                        let got: Vec<(Row, f64)> = index
+                            .lookup_with(&part(a), &q, &options)
+                            .1
+                            .iter()
+                            .map(|m| {
+                                let row = (
+                                    m.engine_id.to_string(),
+                                    m.matched_blocks,
+                                    m.tier,
+                                    m.blocks_on,
+                                );
+                                (row, m.score.unwrap())
+                            })
+                            .collect();
+                        assert_eq!(
+                            got, want,
+                            "weighted: step {step} adapter {a:?} family {family}"
+                        );
                     }
                 }
             }
@@ -626,10 +701,11 @@ fn lookups_can_leave_out_engines_not_heard_from_lately() {
         };
         let all = index.lookup(&part(""), &blocks).1.to_vec();
         assert_eq!(all.len(), 2);
-        let recent = index
-            .lookup_heard(&part(""), &blocks, usize::MAX, Some(now - 10_000_000))
-            .1
-            .to_vec();
+        let options = LookupOptions {
+            heard_since_us: Some(now - 10_000_000),
+            ..LookupOptions::default()
+        };
+        let recent = index.lookup_with(&part(""), &blocks, &options).1.to_vec();
         let ids: Vec<&str> = recent.iter().map(|r| r.engine_id.as_ref()).collect();
         assert_eq!(ids, ["b"]);
     }

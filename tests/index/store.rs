@@ -23,6 +23,8 @@ fn fleet_config() -> FleetSettings {
         capacity_blocks: 96,
         clear_every: 60,
         seed: 11,
+        // Blocks held on GPU and CPU at once, evictions that leave the CPU copy.
+        cpu_offload: true,
         ..FleetSettings::default()
     }
 }
@@ -43,14 +45,16 @@ fn stream(min_events: usize) -> (Vec<Positioned>, Vec<(PartitionKey, Vec<u32>)>)
             if ev.kind == EventKind::Stored {
                 stored += 1;
                 ev.tier = match stored % 5 {
-                    0 => Tier::Cpu,
-                    1 => Tier::Disk,
-                    _ => Tier::Gpu,
+                    0 => Some(Tier::Cpu),
+                    1 => Some(Tier::Disk),
+                    2 => None,
+                    _ => Some(Tier::Gpu),
                 };
                 if stored.is_multiple_of(7) {
-                    // The engine offloads the chain it just stored: a tier change.
+                    // The engine offloads the chain it just stored: it now holds it on CPU
+                    // too.
                     let mut moved = ev.clone();
-                    moved.tier = Tier::Cpu;
+                    moved.tier = Some(Tier::Cpu);
                     extra = Some(moved);
                 }
             }

@@ -171,6 +171,65 @@ fn row(id: &str, blocks: u64, tokens: Value, tier: &str) -> (String, u64, Value,
 }
 
 #[tokio::test]
+async fn lookups_report_blocks_per_tier_and_rank_by_tier_weights_when_asked() {
+    let (state, _) = fixture();
+    let app = api::router(state.clone());
+    let v = lookup(&app, json!({"model": "llama", "token_ids": tokens(13)})).await;
+    let by_tier = |v: &Value| -> Vec<(String, Value, Option<f64>)> {
+        v["engines"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| {
+                let id = r["engine_id"].as_str().unwrap().to_string();
+                (
+                    id,
+                    r["blocks_by_tier"].clone(),
+                    r.get("score").map(|s| s.as_f64().unwrap()),
+                )
+            })
+            .collect()
+    };
+    let counts = |g: u32, c: u32, d: u32| json!({"GPU": g, "CPU": c, "DISK": d});
+    assert_eq!(
+        by_tier(&v),
+        [
+            ("engine-a".into(), counts(3, 0, 0), None),
+            ("engine-0".into(), counts(2, 0, 0), None),
+            ("engine-b".into(), counts(0, 2, 0), None),
+            ("engine-c".into(), counts(0, 0, 1), None),
+        ]
+    );
+    // CPU blocks worth 2, GPU 1, disk left out (1): engine-b's 2 CPU blocks rank first.
+    let v = lookup(
+        &app,
+        json!({"model": "llama", "token_ids": tokens(13), "tier_weights": {"cpu": 2.0, "GPU": 1}}),
+    )
+    .await;
+    assert_eq!(
+        by_tier(&v),
+        [
+            ("engine-b".into(), counts(0, 2, 0), Some(4.0)),
+            ("engine-a".into(), counts(3, 0, 0), Some(3.0)),
+            ("engine-0".into(), counts(2, 0, 0), Some(2.0)),
+            ("engine-c".into(), counts(0, 0, 1), Some(1.0)),
+        ]
+    );
+    for (weights, names) in [
+        (json!({"HBM": 1.0}), "`HBM` is not a tier"),
+        (json!({"GPU": -1.0}), "`GPU` is not"),
+        (json!({"GPU": "high"}), "`GPU` is not"),
+        (json!([1.0, 0.8]), "tier_weights: expected an object"),
+    ] {
+        let body = json!({"model": "llama", "token_ids": tokens(13), "tier_weights": weights});
+        let (status, v) = call_json(&app, "POST", "/v1/lookup", Some(&body.to_string())).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+        let error = v["error"].as_str().unwrap();
+        assert!(error.contains(names), "{body}: {error}");
+    }
+}
+
+#[tokio::test]
 async fn token_lookup_ranks_engines_by_prefix() {
     let (state, _) = fixture();
     let app = api::router(state.clone());
@@ -881,14 +940,24 @@ fn openapi_schemas_compile_and_refs_resolve() {
         &json!({"$ref": "#/components/schemas/LookupResponse"}),
     );
     let good = json!({"model": "m", "tenant": "", "adapter": "", "query_blocks": 1, "block_size": null,
-        "engines": [{"engine_id": "e", "matched_blocks": 1, "matched_tokens": null, "tier": "GPU"}]});
+        "engines": [{"engine_id": "e", "matched_blocks": 1, "matched_tokens": null, "tier": "GPU",
+                     "blocks_by_tier": {"GPU": 1, "CPU": 0, "DISK": 0}}]});
     assert!(lookup.is_valid(&good));
     let mut bad = good.clone();
     bad["engines"][0]["tier"] = json!("HBM");
     assert!(!lookup.is_valid(&bad), "nested $ref to Tier not enforced");
+    let mut scored = good.clone();
+    scored["engines"][0]["score"] = json!(0.8);
+    assert!(lookup.is_valid(&scored));
     let request = validator(&doc, &json!({"$ref": "#/components/schemas/LookupRequest"}));
     assert!(request.is_valid(&json!({"model": "m", "token_ids": [1, 2]})));
     assert!(request.is_valid(&json!({"model": "m", "block_hashes": ["00ff", 5]})));
+    assert!(
+        request.is_valid(&json!({"model": "m", "token_ids": [1], "tier_weights": {"CPU": 0.8}}))
+    );
+    assert!(
+        !request.is_valid(&json!({"model": "m", "token_ids": [1], "tier_weights": {"HBM": 1}}))
+    );
     assert!(!request.is_valid(&json!({"model": "m", "block_hashes": [1], "token_ids": [1]})));
     assert!(!request.is_valid(&json!({"model": "m"})));
 }
@@ -1022,7 +1091,8 @@ async fn serve_answers_over_tcp_and_shuts_down() {
     let v: Value = serde_json::from_str(body).unwrap();
     assert_eq!(
         v["engines"][0],
-        json!({"engine_id": "engine-0", "matched_blocks": 2, "matched_tokens": 8, "tier": "GPU"})
+        json!({"engine_id": "engine-0", "matched_blocks": 2, "matched_tokens": 8, "tier": "GPU",
+               "blocks_by_tier": {"GPU": 2, "CPU": 0, "DISK": 0}})
     );
     assert_eq!(v["engines"].as_array().unwrap().len(), 4);
 

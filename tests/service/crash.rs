@@ -90,6 +90,8 @@ interval_ms = 20
         KafkaPublisher::new(&broker.bootstrap_servers(), TOPIC, &Default::default()).unwrap();
     let mut fleet = Fleet::new(FleetSettings {
         reuse_hashes,
+        // The stressed variant also holds blocks on GPU and CPU at once.
+        cpu_offload: reuse_hashes,
         ..fleet_config()
     });
     let reference = Index::new(IndexSettings {

@@ -44,7 +44,7 @@ impl EventBuilder {
     }
 
     pub fn tier(mut self, tier: Tier) -> Self {
-        self.0.tier = tier;
+        self.0.tier = Some(tier);
         self
     }
 

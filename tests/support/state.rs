@@ -32,7 +32,8 @@ pub fn caught_up(stats: &Value, log_end: i64) -> bool {
 pub struct Fingerprint {
     pub partitions: Vec<(String, u64, u64)>,
     pub engines: Vec<(String, u64, [u64; 3])>,
-    pub answers: Vec<Vec<(String, u32, String)>>,
+    /// (engine, matched blocks, fastest tier of the last one, matched blocks per tier).
+    pub answers: Vec<Vec<(String, u32, String, [u32; 3])>>,
 }
 
 pub fn fingerprint(
@@ -68,7 +69,10 @@ pub fn fingerprint(
                 .1
                 .to_vec()
                 .into_iter()
-                .map(|m| (m.engine_id, m.matched_blocks, format!("{:?}", m.tier)))
+                .map(|m| {
+                    let tier = format!("{:?}", m.tier);
+                    (m.engine_id, m.matched_blocks, tier, m.blocks_on)
+                })
                 .collect();
             rows.sort();
             rows

@@ -4,6 +4,7 @@
 
 use super::blocks::{Added, drop_membership};
 use super::{MapEntry, PREFETCH_AHEAD, Shard, SkipReason};
+use crate::event::TierSet;
 use crate::event::{BlockContent, EngineHash, Event, EventKind};
 use crate::index::hash;
 use crate::index::holders::EngineIdx;
@@ -122,7 +123,8 @@ impl Shard {
             return Err(e);
         }
         let now = self.lru_now();
-
+        // A store naming no tier lands on GPU.
+        let tier = ev.tier.unwrap_or_default();
         let engine_count = self.engines.len();
         let Shard {
             table,
@@ -173,24 +175,21 @@ impl Shard {
                 drop_membership(
                     table,
                     old,
-                    (eid, engine_count),
-                    &mut engine.tier_counts,
+                    (eid, TierSet::ALL, engine_count),
+                    &mut engine.holdings,
                     (part, pid),
                     changes.as_deref_mut(),
                     now,
                 );
             }
-            let added = table.add(key, eid, ev.tier, engine_count, now);
+            let added = table.add(key, eid, tier, engine_count, now);
             match added {
                 Added::Holder { new_block } => {
-                    engine.tier_counts[ev.tier as usize] += 1;
+                    engine.holdings.change(TierSet::EMPTY, TierSet::of(tier));
                     part.memberships += 1;
                     part.blocks += new_block as u64;
                 }
-                Added::TierChanged(old) => {
-                    engine.tier_counts[old as usize] -= 1;
-                    engine.tier_counts[ev.tier as usize] += 1;
-                }
+                Added::TierAdded(old) => engine.holdings.change(old, old.with(tier)),
                 Added::Unchanged => {}
             }
             if let Some(c) = changes.as_deref_mut().filter(|_| added != Added::Unchanged) {
@@ -202,8 +201,18 @@ impl Shard {
         Ok(n)
     }
 
-    /// Removes `hashes` of engine `eid` from the engine's partition at `slot` of its parts.
-    fn remove_in_part(&mut self, eid: EngineIdx, slot: usize, hashes: &[EngineHash]) -> usize {
+    /// Removes `hashes` of engine `eid` from the engine's partition at `slot` of its parts:
+    /// from the tiers named by `tiers` only, the whole membership with [`TierSet::ALL`].
+    fn remove_in_part(
+        &mut self,
+        eid: EngineIdx,
+        slot: usize,
+        hashes: &[EngineHash],
+        tiers: TierSet,
+    ) -> usize {
+        if tiers != TierSet::ALL {
+            return self.remove_tiers_in_part(eid, slot, hashes, tiers);
+        }
         let engine_count = self.engines.len();
         let now = self.lru_now();
         let Shard {
@@ -249,14 +258,65 @@ impl Shard {
             removed += drop_membership(
                 table,
                 key,
-                (eid, engine_count),
-                &mut engine.tier_counts,
+                (eid, TierSet::ALL, engine_count),
+                &mut engine.holdings,
                 part,
                 changes.as_deref_mut(),
                 now,
-            ) as usize;
+            )
+            .is_some() as usize;
         }
         *key_buf = keys;
+        removed
+    }
+
+    /// [`Shard::remove_in_part`] for a removal that names its medium: each block loses that
+    /// tier, and the engine's hash map keeps the entry while the block stays on another tier.
+    fn remove_tiers_in_part(
+        &mut self,
+        eid: EngineIdx,
+        slot: usize,
+        hashes: &[EngineHash],
+        tiers: TierSet,
+    ) -> usize {
+        let engine_count = self.engines.len();
+        let now = self.lru_now();
+        let Shard {
+            table,
+            engines,
+            partitions,
+            changes,
+            ..
+        } = self;
+        let mut changes = changes.as_deref_mut();
+        let engine = &mut engines[eid as usize];
+        let (pid, map) = &mut engine.parts[slot];
+        let pid = *pid;
+        let part = &mut partitions[pid as usize];
+        let mut removed = 0;
+        for h in hashes {
+            let Some(&MapEntry { block: key, .. }) = map.get(h.0) else {
+                continue;
+            };
+            let dropped = drop_membership(
+                table,
+                key,
+                (eid, tiers, engine_count),
+                &mut engine.holdings,
+                (&mut *part, pid),
+                changes.as_deref_mut(),
+                now,
+            );
+            removed += dropped.is_some_and(|r| r.before != r.after) as usize;
+            // The entry goes once the engine holds the block on no tier (or, inconsistent,
+            // never held it).
+            if dropped.is_none_or(|r| r.after.is_empty()) {
+                map.remove(h.0);
+                if let Some(c) = changes.as_deref_mut() {
+                    c.map(eid, pid, h.0, false);
+                }
+            }
+        }
         removed
     }
 
@@ -287,9 +347,11 @@ impl Shard {
             let pid = self.engines[eid as usize].parts[slot].0;
             self.fault_in_removed(eid, pid, &ev.block_hashes)?;
         }
+        // A removal naming no medium drops the block from every tier.
+        let tiers = ev.tier.map_or(TierSet::ALL, TierSet::of);
         let mut removed = 0;
         for slot in slots {
-            removed += self.remove_in_part(eid, slot, &ev.block_hashes);
+            removed += self.remove_in_part(eid, slot, &ev.block_hashes, tiers);
         }
         Ok(removed)
     }
@@ -322,17 +384,18 @@ impl Shard {
                 c.cleared.insert((eid, pid));
             }
             for (_, MapEntry { block: key, .. }) in map.drain() {
-                let holder = (eid, engine_count);
+                let holder = (eid, TierSet::ALL, engine_count);
                 let part = (&mut *part, pid);
                 removed += drop_membership(
                     &mut self.table,
                     key,
                     holder,
-                    &mut engine.tier_counts,
+                    &mut engine.holdings,
                     part,
                     changes.as_deref_mut(),
                     now,
-                ) as usize;
+                )
+                .is_some() as usize;
             }
         }
         Ok(removed)

@@ -2,10 +2,13 @@
 //! one operation that drops a membership with every counter kept in step.
 
 use super::{Block, PartitionState};
-use crate::event::Tier;
+use crate::event::{Tier, TierSet};
 use crate::index::changes::Changes;
-use crate::index::holders::{DenseBits, EngineIdx, SetOutcome, should_be_dense, should_stay_dense};
+use crate::index::holders::{
+    DenseBits, EngineIdx, Removed, SetOutcome, should_be_dense, should_stay_dense,
+};
 use crate::index::table::KeyTable;
+use crate::index::tiers::Holdings;
 
 /// Block → holders, plus the bitsets of dense blocks. Split from [`Shard`] so membership updates
 /// can borrow it while an engine's hash map is borrowed too.
@@ -29,7 +32,8 @@ pub(super) enum Added {
     Holder {
         new_block: bool,
     },
-    TierChanged(Tier),
+    /// The engine held the block on these other tiers; now on `tier` too.
+    TierAdded(TierSet),
     Unchanged,
 }
 
@@ -63,7 +67,11 @@ impl BlockTable {
         if len >= 16 && outcome != SetOutcome::Unchanged {
             if let Some(d) = self.dense.get_mut(key) {
                 let before = d.heap_bytes();
-                d.set(engine, tier);
+                let tiers = match outcome {
+                    SetOutcome::TierAdded(old) => old.with(tier),
+                    _ => TierSet::of(tier),
+                };
+                d.set(engine, tiers);
                 self.heap_bytes = self.heap_bytes + d.heap_bytes() - before;
             } else if should_be_dense(len, engine_count) {
                 let d = DenseBits::from_holders(holders, engine_count);
@@ -76,47 +84,52 @@ impl BlockTable {
                 self.memberships += 1;
                 Added::Holder { new_block }
             }
-            SetOutcome::TierChanged(old) => Added::TierChanged(old),
+            SetOutcome::TierAdded(old) => Added::TierAdded(old),
             SetOutcome::Unchanged => Added::Unchanged,
         }
     }
 
-    /// Removes one membership: the tier it had, and whether the block is now gone. A block
-    /// that stays is stamped `now` (the LRU clock), so its version moves: a write-back that
-    /// sampled it before the removal cannot evict it with its old row (see `evict.rs`).
+    /// Drops `tiers` of one membership ([`TierSet::ALL`]: all of it): what the engine held
+    /// before and after, and whether the block is now gone. A block that stays is stamped
+    /// `now` (the LRU clock), so its version moves: a write-back that sampled it before the
+    /// removal cannot evict it with its old row (see `evict.rs`).
     #[inline]
     pub(super) fn remove(
         &mut self,
         key: u64,
         engine: EngineIdx,
+        tiers: TierSet,
         engine_count: usize,
         now: u32,
-    ) -> Option<(Tier, bool)> {
+    ) -> Option<(Removed, bool)> {
         let Some(slot) = self.blocks.slot(key) else {
             // Key 0 has no slot (see KeyTable); it takes the general path.
             let block = self.blocks.get_mut(key)?;
-            let tier = block.holders.remove(engine)?;
+            let removed = block.holders.remove(engine, tiers)?;
             *block.used.get_mut() = now;
-            let holders = &mut block.holders;
+            if !removed.after.is_empty() {
+                return Some((removed, false));
+            }
             self.memberships -= 1;
-            let gone = holders.is_empty();
+            let gone = block.holders.is_empty();
             if gone {
                 self.blocks.remove(key);
             }
-            return Some((tier, gone));
+            return Some((removed, gone));
         };
         let block = self.blocks.at_mut(slot);
         let holders = &mut block.holders;
         let heap_before = holders.heap_bytes();
-        let tier = holders.remove(engine)?;
+        let removed = holders.remove(engine, tiers)?;
         *block.used.get_mut() = now;
         let len = holders.len();
         self.heap_bytes = self.heap_bytes + holders.heap_bytes() - heap_before;
-        self.memberships -= 1;
+        let left = removed.after.is_empty();
+        self.memberships -= left as u64;
         // Only blocks with 16+ holders keep bitsets; skip the probe for the rest.
         if let Some(d) = (len + 1 >= 16).then(|| self.dense.get_mut(key)).flatten() {
-            if should_stay_dense(len, engine_count) {
-                d.clear(engine);
+            if !left || should_stay_dense(len, engine_count) {
+                d.set(engine, removed.after);
             } else {
                 self.heap_bytes -= d.heap_bytes();
                 self.dense.remove(key);
@@ -126,33 +139,34 @@ impl BlockTable {
         if gone {
             self.blocks.remove_slot(slot);
         }
-        Some((tier, gone))
+        Some((removed, gone))
     }
 }
 
-/// Drops the membership of `holder` = (engine, shard engine count) in block `key` at LRU time
-/// `now`, keeping the engine's `tier_counts`, the partition's totals (`part` = (state, id))
-/// and the change log in step. True if the engine held the block.
+/// Drops tiers of one membership: `holder` = (engine, tiers to drop ([`TierSet::ALL`]: all of
+/// it), shard engine count) in block `key`, at LRU time `now`, keeping the engine's holdings, the
+/// partition's totals (`part` = (state, id)) and the change log in step. What the engine held
+/// before and after, if it held the block.
 #[inline]
 pub(super) fn drop_membership(
     table: &mut BlockTable,
     key: u64,
-    holder: (EngineIdx, usize),
-    tier_counts: &mut [u64; 3],
+    holder: (EngineIdx, TierSet, usize),
+    holdings: &mut Holdings,
     part: (&mut PartitionState, u32),
     changes: Option<&mut Changes>,
     now: u32,
-) -> bool {
-    let (eid, engine_count) = holder;
-    let Some((tier, gone)) = table.remove(key, eid, engine_count, now) else {
-        return false;
-    };
+) -> Option<Removed> {
+    let (eid, tiers, engine_count) = holder;
+    let (removed, gone) = table.remove(key, eid, tiers, engine_count, now)?;
     let (part, pid) = part;
-    tier_counts[tier as usize] -= 1;
-    part.memberships -= 1;
-    part.blocks -= gone as u64;
-    if let Some(c) = changes {
+    holdings.change(removed.before, removed.after);
+    if removed.after.is_empty() {
+        part.memberships -= 1;
+        part.blocks -= gone as u64;
+    }
+    if let Some(c) = changes.filter(|_| removed.before != removed.after) {
         c.block(key, pid, false);
     }
-    true
+    Some(removed)
 }

@@ -114,7 +114,7 @@ impl Shard {
                             .holders
                             .as_slice()
                             .iter()
-                            .map(|h| Some((self.durable.engine(h.engine())?, h.tier())))
+                            .map(|h| Some((self.durable.engine(h.engine())?, h.tiers())))
                             .collect::<Option<SmallVec<[_; 16]>>>()?;
                         Some(t.l2.block_row(t.shard, k, part, &holders))
                     }
@@ -311,7 +311,12 @@ impl Shard {
         Some(now.bytes)
     }
 
-    /// Up to `max` dirty resident entries after `cursor`, in key order (the backup flush).
+    /// Dirty resident entries after `cursor`, in key order, from the next `max` changed keys
+    /// (the backup flush). One pass over the change set keeps only the `max` smallest keys
+    /// past the cursor (a bounded heap), so a page costs O(changes · log max) time and
+    /// O(max) memory, never a sorted copy of the whole dirty set. A page may hold fewer than
+    /// `max` entries (changed keys no longer resident or dirty); `next` is `None` once no
+    /// changed key lies past the page.
     pub fn dirty_after(&self, cursor: &DirtyCursor, max: usize) -> DirtyPage<L1Key, DirtyCursor> {
         let Some(c) = self.changes.as_deref() else {
             return DirtyPage {
@@ -319,7 +324,7 @@ impl Shard {
                 next: None,
             };
         };
-        let mut keys: Vec<L1Key> = c
+        let changed = c
             .blocks
             .keys()
             .map(|&k| L1Key::Block(k))
@@ -328,22 +333,26 @@ impl Shard {
                 partition,
                 hash,
             }))
-            .filter(|k| cursor.0.is_none_or(|after| *k > after))
-            .collect();
-        keys.sort_unstable();
-        let mut entries = Vec::new();
-        let mut next = None;
-        for k in keys {
-            if entries.len() == max {
-                next = entries
-                    .last()
-                    .map(|e: &Resident<L1Key>| DirtyCursor(Some(e.key)));
-                break;
+            .filter(|k| cursor.0.is_none_or(|after| *k > after));
+        let mut smallest = std::collections::BinaryHeap::with_capacity(max.min(4096) + 1);
+        let mut more = false;
+        for k in changed {
+            if smallest.len() < max {
+                smallest.push(k);
+                continue;
             }
-            if let Some(r) = self.resident(k).filter(|r| r.dirty.is_some()) {
-                entries.push(r);
+            more = true;
+            if smallest.peek().is_some_and(|&largest| k < largest) {
+                smallest.pop();
+                smallest.push(k);
             }
         }
+        let keys = smallest.into_sorted_vec();
+        let next = keys.last().filter(|_| more).map(|&k| DirtyCursor(Some(k)));
+        let entries = keys
+            .into_iter()
+            .filter_map(|k| self.resident(k).filter(|r| r.dirty.is_some()))
+            .collect();
         DirtyPage { entries, next }
     }
 

@@ -1,38 +1,47 @@
 //! The longest-prefix lookup: walks the query's blocks, intersecting the holders of each with
 //! the engines still matching, in per-thread scratch bitsets, and emits a row per engine where
-//! its run ends.
+//! its run ends, with how its matched blocks sit on its tiers ([`TierMix`]).
+//!
+//! Tier sets are counted only for blocks an engine holds somewhere other than on GPU alone: the
+//! usual all-GPU walk pays one extra AND per word and nothing per engine.
 
 use super::{PREFETCH_AHEAD, RawMatch, Shard};
-use crate::event::Tier;
+use crate::event::{Tier, TierSet};
 use crate::index::holders::{DenseBits, Holders};
+use crate::index::tiers::TierMix;
 use std::cell::RefCell;
 use std::sync::atomic::Ordering::Relaxed;
 
-/// Scratch bitsets for one lookup, reused per thread so a lookup allocates nothing but its
-/// answer.
+/// The set every block of the usual deployment has: GPU alone. Not counted (see [`TierMix`]).
+const GPU_ONLY: TierSet = TierSet::of(Tier::Gpu);
+
+/// Scratch bitsets of one query block, over the engines still matching: which hold it, and
+/// which of those on GPU and on CPU (for the fastest tier of a run's last block). Reused per
+/// thread so a lookup allocates nothing but its answer.
 #[derive(Default)]
 struct Bits {
     held: Vec<u64>,
+    gpu: Vec<u64>,
     cpu: Vec<u64>,
-    disk: Vec<u64>,
 }
 
 impl Bits {
     fn reset(&mut self, words: usize) {
-        for v in [&mut self.held, &mut self.cpu, &mut self.disk] {
+        for v in [&mut self.held, &mut self.gpu, &mut self.cpu] {
             v.clear();
             v.resize(words, 0);
         }
     }
 
+    /// The fastest tier engine bit `bit` of word `w` holds the block on.
     #[inline]
     fn tier_at(&self, w: usize, bit: u64) -> Tier {
-        if self.cpu[w] & bit != 0 {
-            Tier::Cpu
-        } else if self.disk[w] & bit != 0 {
-            Tier::Disk
-        } else {
+        if self.gpu[w] & bit != 0 {
             Tier::Gpu
+        } else if self.cpu[w] & bit != 0 {
+            Tier::Cpu
+        } else {
+            Tier::Disk
         }
     }
 
@@ -49,25 +58,57 @@ impl Bits {
         false
     }
 
-    /// Loads block 0's holders as the active set.
-    fn load(&mut self, holders: &Holders, dense: Option<&DenseBits>) {
+    /// Marks engine `e` as holding the block on `tiers`, counting the tiers into `mix`.
+    #[inline]
+    fn mark(&mut self, e: usize, tiers: TierSet, mix: &mut [TierMix]) {
+        let (w, bit) = (e / 64, 1u64 << (e % 64));
+        self.held[w] |= bit;
+        if tiers.contains(Tier::Gpu) {
+            self.gpu[w] |= bit;
+        }
+        if tiers != GPU_ONLY {
+            if tiers.contains(Tier::Cpu) {
+                self.cpu[w] |= bit;
+            }
+            mix[e].by_set[tiers.bits() as usize] += 1;
+        }
+    }
+
+    /// Word `w` of `d`, restricted to the engines of `keep`: held, GPU and CPU bits, then
+    /// counts the tier sets of the engines not on GPU alone into `mix`.
+    #[inline]
+    fn take_word(&mut self, w: usize, keep: u64, d: &DenseBits, mix: &mut [TierMix]) -> u64 {
+        let held = keep & d.held()[w];
+        let gpu = held & d.on(Tier::Gpu)[w];
+        let cpu = held & d.on(Tier::Cpu)[w];
+        let disk = held & d.on(Tier::Disk)[w];
+        self.held[w] = held;
+        self.gpu[w] = gpu;
+        self.cpu[w] = cpu;
+        let mut odd = cpu | disk | (held & !gpu);
+        while odd != 0 {
+            let b = odd.trailing_zeros();
+            let set = ((gpu >> b) & 1) | ((cpu >> b) & 1) << 1 | ((disk >> b) & 1) << 2;
+            mix[w * 64 + b as usize].by_set[set as usize] += 1;
+            odd &= odd - 1;
+        }
+        held
+    }
+
+    /// Loads block 0's holders as the active set, starting each one's tier counts afresh.
+    fn load(&mut self, holders: &Holders, dense: Option<&DenseBits>, mix: &mut [TierMix]) {
+        for h in holders.as_slice() {
+            mix[h.engine() as usize] = TierMix::default();
+        }
         match dense {
             Some(d) => {
-                let n = d.words().min(self.held.len());
-                self.held[..n].copy_from_slice(&d.held()[..n]);
-                self.cpu[..n].copy_from_slice(&d.cpu()[..n]);
-                self.disk[..n].copy_from_slice(&d.disk()[..n]);
+                for w in 0..d.words().min(self.held.len()) {
+                    self.take_word(w, u64::MAX, d, mix);
+                }
             }
             None => {
                 for h in holders.as_slice() {
-                    let e = h.engine() as usize;
-                    let (w, bit) = (e / 64, 1u64 << (e % 64));
-                    self.held[w] |= bit;
-                    match h.tier() {
-                        Tier::Gpu => {}
-                        Tier::Cpu => self.cpu[w] |= bit,
-                        Tier::Disk => self.disk[w] |= bit,
-                    }
+                    self.mark(h.engine() as usize, h.tiers(), mix);
                 }
             }
         }
@@ -75,31 +116,27 @@ impl Bits {
 
     /// `self = active ∩ holders`, with the tiers of `holders`. `self` must be zeroed.
     #[inline]
-    fn intersect(&mut self, active: &Bits, holders: &Holders, dense: Option<&DenseBits>) -> bool {
+    fn intersect(
+        &mut self,
+        active: &Bits,
+        holders: &Holders,
+        dense: Option<&DenseBits>,
+        mix: &mut [TierMix],
+    ) -> bool {
         let mut any = 0u64;
         match dense {
             Some(d) => {
-                let n = d.words().min(self.held.len());
-                for w in 0..n {
-                    let held = active.held[w] & d.held()[w];
-                    self.held[w] = held;
-                    self.cpu[w] = held & d.cpu()[w];
-                    self.disk[w] = held & d.disk()[w];
-                    any |= held;
+                for w in 0..d.words().min(self.held.len()) {
+                    any |= self.take_word(w, active.held[w], d, mix);
                 }
             }
             None => {
                 for h in holders.as_slice() {
                     let e = h.engine() as usize;
-                    let (w, bit) = (e / 64, 1u64 << (e % 64));
-                    if active.held[w] & bit != 0 {
-                        self.held[w] |= bit;
+                    let bit = 1u64 << (e % 64);
+                    if active.held[e / 64] & bit != 0 {
+                        self.mark(e, h.tiers(), mix);
                         any |= bit;
-                        match h.tier() {
-                            Tier::Gpu => {}
-                            Tier::Cpu => self.cpu[w] |= bit,
-                            Tier::Disk => self.disk[w] |= bit,
-                        }
                     }
                 }
             }
@@ -112,6 +149,8 @@ impl Bits {
 struct Scratch {
     active: Bits,
     next: Bits,
+    /// Per engine: the tier sets of its matched blocks so far (valid for engines of block 0).
+    mix: Vec<TierMix>,
 }
 
 thread_local! {
@@ -120,16 +159,24 @@ thread_local! {
 
 /// Pushes a row for every engine set in `held` (and not in `keep`, if given).
 #[inline]
-fn emit(active: &Bits, keep: Option<&Bits>, matched: u32, out: &mut Vec<RawMatch>) {
+fn emit(
+    active: &Bits,
+    keep: Option<&Bits>,
+    matched: u32,
+    mix: &[TierMix],
+    out: &mut Vec<RawMatch>,
+) {
     for w in 0..active.held.len() {
         let mut dropped = active.held[w] & !keep.map_or(0, |k| k.held[w]);
         while dropped != 0 {
             let b = dropped.trailing_zeros();
             let bit = 1u64 << b;
+            let engine = (w * 64) as u32 + b;
             out.push(RawMatch {
-                engine: (w * 64) as u32 + b,
+                engine,
                 matched,
                 tier: active.tier_at(w, bit),
+                mix: mix[engine as usize],
             });
             dropped &= dropped - 1;
         }
@@ -194,31 +241,34 @@ impl Shard {
         let words = self.engines.len().div_ceil(64).max(1);
         SCRATCH.with(|cell| {
             let mut guard = cell.borrow_mut();
-            let Scratch { active, next } = &mut *guard;
+            let Scratch { active, next, mix } = &mut *guard;
             for &key in keys.iter().skip(1).take(PREFETCH_AHEAD) {
                 self.table.prefetch(key);
             }
+            if mix.len() < words * 64 {
+                mix.resize(words * 64, TierMix::default());
+            }
             active.reset(words);
-            active.load(h0, self.dense_of(first, h0));
+            active.load(h0, self.dense_of(first, h0), mix);
             for (i, key) in keys.iter().enumerate().skip(1) {
                 if let Some(&ahead) = keys.get(i + PREFETCH_AHEAD) {
                     self.table.prefetch(ahead);
                 }
                 let Some(h) = self.resolve(*key, now, &mut spare) else {
-                    emit(active, None, i as u32, out);
+                    emit(active, None, i as u32, mix, out);
                     return;
                 };
                 next.reset(words);
-                let any = next.intersect(active, h, self.dense_of(*key, h));
+                let any = next.intersect(active, h, self.dense_of(*key, h), mix);
                 if limit == usize::MAX || !next.holds_at_least(limit) {
-                    emit(active, Some(next), i as u32, out);
+                    emit(active, Some(next), i as u32, mix, out);
                 }
                 if !any {
                     return;
                 }
                 std::mem::swap(active, next);
             }
-            emit(active, None, keys.len() as u32, out);
+            emit(active, None, keys.len() as u32, mix, out);
         });
     }
 

@@ -30,6 +30,8 @@ use super::changes::Changes;
 use super::hash;
 use super::holders::{EngineIdx, Holders, MAX_ENGINES};
 use super::table::KeyTable;
+use super::tiers::{Holdings, TierMix};
+use crate::event::TierSet;
 use crate::event::{PartitionKey, Tier};
 use blocks::BlockTable;
 use smallvec::SmallVec;
@@ -86,8 +88,10 @@ pub struct RawMatch {
     pub engine: EngineIdx,
     /// Length of the engine's longest run of leading query blocks.
     pub matched: u32,
-    /// Tier of the last matched block on this engine.
+    /// The fastest tier the engine holds its last matched block on.
     pub tier: Tier,
+    /// How the matched blocks sit on the engine's tiers (see [`TierMix`]).
+    pub mix: TierMix,
 }
 
 /// Stats of one partition (tenant, model, adapter) within a shard.
@@ -131,8 +135,8 @@ pub struct EngineState {
     /// went below it (reordered or replayed by the producer; in memory only).
     pub last_seq: u64,
     pub seq_regressions: u64,
-    /// Memberships held, by tier (`Tier as usize`).
-    pub tier_counts: [u64; 3],
+    /// Memberships held, in all and per tier.
+    pub holdings: Holdings,
     /// Per partition the engine stored into: its engine hash → block key map. This resolves
     /// removals that carry only engine hashes, and is the reverse index that makes
     /// `ALL_CLEARED` cost the engine's own blocks rather than a scan of the shard.
@@ -148,7 +152,7 @@ impl EngineState {
         self.parts.iter().map(|(p, _)| *p)
     }
     pub fn blocks_held(&self) -> u64 {
-        self.tier_counts.iter().sum()
+        self.holdings.blocks
     }
     /// Entries of the engine's hash map in each partition it stored into (diagnostics, tests).
     pub fn map_sizes(&self) -> impl Iterator<Item = (u32, usize)> + '_ {
@@ -310,10 +314,10 @@ impl Shard {
     pub fn dense_blocks(&self) -> usize {
         self.table.dense.len()
     }
-    /// Whether `engine` holds block `key`, and at which tier (tests and diagnostics).
-    pub fn holder_tier(&self, key: u64, engine: &str) -> Option<Tier> {
+    /// The tiers `engine` holds block `key` on, if it holds it (tests and diagnostics).
+    pub fn holder_tiers(&self, key: u64, engine: &str) -> Option<TierSet> {
         let eid = *self.engine_ids.get(engine)?;
-        self.table.blocks.get(key)?.holders.tier_of(eid)
+        self.table.blocks.get(key)?.holders.tiers_of(eid)
     }
 
     /// Bytes of memory the shard's structures own (tables at capacity, spilled lists, bitsets,

@@ -4,7 +4,8 @@
 
 use super::blocks::Added;
 use super::{MapEntry, Shard, SkipReason};
-use crate::event::{PartitionKey, Tier};
+use crate::event::PartitionKey;
+use crate::event::TierSet;
 use crate::index::changes::{BlockChange, ChangeSet, EngineChange, MapChange};
 use crate::index::holders::EngineIdx;
 
@@ -72,7 +73,7 @@ impl Shard {
             let start = out.holders.len() as u32;
             if let Some(b) = self.table.blocks.get(key) {
                 out.holders
-                    .extend(b.holders.as_slice().iter().map(|h| (h.engine(), h.tier())));
+                    .extend(b.holders.as_slice().iter().map(|h| (h.engine(), h.tiers())));
             }
             if start == out.holders.len() as u32 && c.born_blocks.contains(&key) {
                 continue; // created and gone within the interval: nothing to delete
@@ -155,24 +156,23 @@ impl Shard {
         self.table.blocks.reserve(blocks);
     }
 
-    /// Restores one membership: `eid` holds `block` (of partition `pid`) at `tier`, with every
-    /// counter (engine tiers, partition blocks and memberships, bitsets) kept as `apply` keeps
-    /// them.
-    pub fn restore_membership(&mut self, pid: u32, eid: EngineIdx, block: u64, tier: Tier) {
+    /// Restores one membership: `eid` holds `block` (of partition `pid`) on `tiers`, with
+    /// every counter (engine holdings, partition blocks and memberships, bitsets) kept as
+    /// `apply` keeps them.
+    pub fn restore_membership(&mut self, pid: u32, eid: EngineIdx, block: u64, tiers: TierSet) {
         let engine_count = self.engines.len();
         let engine = &mut self.engines[eid as usize];
         let part = &mut self.partitions[pid as usize];
-        match self.table.add(block, eid, tier, engine_count, 0) {
-            Added::Holder { new_block } => {
-                engine.tier_counts[tier as usize] += 1;
-                part.memberships += 1;
-                part.blocks += new_block as u64;
+        for tier in tiers.iter() {
+            match self.table.add(block, eid, tier, engine_count, 0) {
+                Added::Holder { new_block } => {
+                    engine.holdings.change(TierSet::EMPTY, TierSet::of(tier));
+                    part.memberships += 1;
+                    part.blocks += new_block as u64;
+                }
+                Added::TierAdded(old) => engine.holdings.change(old, old.with(tier)),
+                Added::Unchanged => {}
             }
-            Added::TierChanged(old) => {
-                engine.tier_counts[old as usize] -= 1;
-                engine.tier_counts[tier as usize] += 1;
-            }
-            Added::Unchanged => {}
         }
     }
 

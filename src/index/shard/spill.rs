@@ -21,7 +21,7 @@
 
 use super::evict::BLOCK_ENTRY_BYTES;
 use super::{Block, MapEntry, Shard, SkipReason};
-use crate::event::Tier;
+use crate::event::TierSet;
 use crate::index::holders::{DenseBits, EngineIdx, Holders, should_be_dense};
 use crate::spill::{L2ReadError, L2Reader, StoredBlock};
 use parking_lot::Mutex;
@@ -174,8 +174,16 @@ impl Shard {
     }
 
     /// Counts one membership of a row a bounded load leaves in L2 (counters are L1 ∪ L2).
-    pub fn count_stored_membership(&mut self, pid: u32, eid: EngineIdx, tier: Tier, first: bool) {
-        self.engines[eid as usize].tier_counts[tier as usize] += 1;
+    pub fn count_stored_membership(
+        &mut self,
+        pid: u32,
+        eid: EngineIdx,
+        tiers: TierSet,
+        first: bool,
+    ) {
+        self.engines[eid as usize]
+            .holdings
+            .change(TierSet::EMPTY, tiers);
         let part = &mut self.partitions[pid as usize];
         part.memberships += 1;
         part.blocks += first as u64;
@@ -240,9 +248,9 @@ impl Shard {
     /// which a consistent store never has, are left out).
     fn holders_of(&self, row: &StoredBlock) -> Holders {
         let mut h = Holders::default();
-        for &(d, tier) in &row.holders {
+        for &(d, tiers) in &row.holders {
             if let Some(e) = self.durable.engine_local(d) {
-                h.set(e, tier);
+                h.set_tiers(e, tiers);
             }
         }
         h
