@@ -4,8 +4,10 @@
 //! form types by default; the body is the contract), parsed by [`super::request`], and answered
 //! from the index inline on the async worker: a typical lookup takes ~10 µs and even the largest
 //! allowed query (1M tokens) is about a millisecond of hashing, less than the cost of handing
-//! work to `spawn_blocking` and back for the common case. Shard read locks are held only for the
-//! scan of each shard, and writers hold theirs only per applied batch.
+//! work to `spawn_blocking` and back for the common case. Once blocks live only in L2, a lookup
+//! may read RocksDB, which can stall: then it runs on the blocking pool. Shard read locks are
+//! held only for the scan of each shard (never across an L2 read), and writers hold theirs only
+//! per applied batch.
 
 use super::AppState;
 use super::error::ApiError;
@@ -24,7 +26,15 @@ pub async fn lookup(
     State(state): State<AppState>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let answered = answer(&state, body);
+    // A spilled index may read RocksDB, which can stall: off the async workers then.
+    let answered = if state.index.any_spilled() {
+        let st = state.clone();
+        tokio::task::spawn_blocking(move || answer(&st, body))
+            .await
+            .unwrap_or_else(|e| Err(ApiError::Unavailable(format!("lookup failed: {e}"))))
+    } else {
+        answer(&state, body)
+    };
     if answered.is_err() {
         state.metrics.lookup_errors.fetch_add(1, Relaxed);
     }

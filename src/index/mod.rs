@@ -324,6 +324,11 @@ impl Index {
         }
     }
 
+    /// Whether some block may live only in L2, so lookups may read RocksDB.
+    pub fn any_spilled(&self) -> bool {
+        self.shards.iter().any(|s| s.read().is_spilled())
+    }
+
     /// Whether lookups found blocks only in shard `i`'s L2 that wait to be restored.
     pub fn has_promotions(&self, i: usize) -> bool {
         self.shards[i].read().has_promotions()
@@ -418,12 +423,21 @@ impl Index {
         let mut runs = Vec::with_capacity(self.shards.len() + 1);
         for (i, s) in self.shards.iter().enumerate() {
             raw.clear();
-            let shard = s.read();
+            let mut shard = s.read();
+            // Blocks only L2 holds are read with the lock released (see `shard::L2Plan`).
+            let mut prefetch = None;
+            let plan = shard.l2_plan(keys);
+            if let Some(plan) = plan {
+                drop(shard);
+                prefetch = Some(plan.read());
+                shard = s.read();
+            }
             // Each shard orders its own rows with integer keys (name ranks); only the merge
             // below compares names, and only between rows of two shards. A filter or a score
             // can put any row in the best `limit`, so then every row is kept until it ran.
             let exact = options.heard_since_us.is_none() && options.tier_weights.is_none();
-            shard.lookup_sorted(keys, &mut raw, if exact { limit } else { usize::MAX });
+            let keep = if exact { limit } else { usize::MAX };
+            shard.lookup_sorted_with(keys, &mut raw, keep, prefetch.as_ref());
             if let Some(since) = options.heard_since_us {
                 raw.retain(|m| shard.engine_heard_us(m.engine, self.created_us) >= since);
             }

@@ -8,7 +8,7 @@
 
 use crate::support::{Fingerprint, fingerprint, wait_for};
 use kvindex::config::Config;
-use kvindex::event::{DecodeSettings, Event, encode};
+use kvindex::event::{DecodeSettings, Event, TierSet, encode};
 use kvindex::index::ShardL1;
 use kvindex::index::shard::{L1Key, ReadThroughSettings, ReadThroughStats};
 use kvindex::index::{Index, IndexSettings, QueryBlocks};
@@ -17,7 +17,8 @@ use kvindex::sim::{Fleet, FleetSettings};
 use kvindex::source::Message;
 use kvindex::spill::testing::{Fault, FaultInjector, ManualClock};
 use kvindex::spill::{
-    CircuitBreaker, L2Sink, SpillController, SpillL1, SpillSettings, Stamp, Stop,
+    CircuitBreaker, L2ReadError, L2Reader, L2Row, L2Sink, SpillController, SpillL1, SpillSettings,
+    Stamp, Stop, StoredBlock,
 };
 use kvindex::store::{Store, StoreSettings, StoreSink};
 use std::sync::Arc;
@@ -365,6 +366,14 @@ fn shutdown_does_not_wait_for_a_failing_l2_at_the_hard_cap() {
 
 /// One tiered shard (`restore_on_read` off) with change tracking, over a fresh store.
 fn tiered_shard(dir: &std::path::Path) -> (Arc<Index>, Arc<Store>) {
+    tiered_shard_reading(dir, |store| store as Arc<dyn L2Reader>)
+}
+
+/// [`tiered_shard`], reading L2 through what `reader` makes of the store.
+fn tiered_shard_reading(
+    dir: &std::path::Path,
+    reader: impl FnOnce(Arc<Store>) -> Arc<dyn L2Reader>,
+) -> (Arc<Index>, Arc<Store>) {
     let opts = StoreSettings {
         shards: 1,
         seed: 1,
@@ -375,7 +384,7 @@ fn tiered_shard(dir: &std::path::Path) -> (Arc<Index>, Arc<Store>) {
     {
         let mut shard = index.shard(0).write();
         shard.attach_l2(
-            store.clone(),
+            reader(store.clone()),
             0,
             ReadThroughSettings {
                 restore_on_read: false,
@@ -729,4 +738,112 @@ fn dirty_pages_cover_every_dirty_entry_once_in_key_order() {
         all.len()
     );
     assert_eq!(paged, all);
+}
+
+/// The store as L2, with block reads that wait at a gate while it is closed (and say so).
+struct GatedReads {
+    store: Arc<Store>,
+    closed: parking_lot::Mutex<bool>,
+    opened: parking_lot::Condvar,
+    waiting: std::sync::atomic::AtomicUsize,
+}
+
+impl GatedReads {
+    fn open(&self) {
+        *self.closed.lock() = false;
+        self.opened.notify_all();
+    }
+}
+
+impl L2Reader for GatedReads {
+    fn block(&self, shard: u16, key: u64) -> Result<Option<StoredBlock>, L2ReadError> {
+        let mut closed = self.closed.lock();
+        if *closed {
+            self.waiting
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            while *closed {
+                self.opened.wait(&mut closed);
+            }
+        }
+        drop(closed);
+        self.store.block(shard, key)
+    }
+    fn map_entry(&self, shard: u16, e: u32, p: u32, hash: u64) -> Result<Option<u64>, L2ReadError> {
+        self.store.map_entry(shard, e, p, hash)
+    }
+    fn map_entries(
+        &self,
+        shard: u16,
+        e: u32,
+        p: u32,
+        each: &mut dyn FnMut(u64, u64),
+    ) -> Result<(), L2ReadError> {
+        self.store.map_entries(shard, e, p, each)
+    }
+    fn block_row(&self, shard: u16, key: u64, p: u32, holders: &[(u32, TierSet)]) -> L2Row {
+        self.store.block_row(shard, key, p, holders)
+    }
+    fn map_row(&self, shard: u16, e: u32, p: u32, hash: u64, block: u64) -> L2Row {
+        self.store.map_row(shard, e, p, hash, block)
+    }
+}
+
+/// A lookup reads the blocks only L2 holds with the shard's lock released: while its RocksDB
+/// read is stuck, the shard's writer still gets the lock (and lookups queued behind a writer
+/// are not stalled by a slow disk); once the read returns, the answer is the reference's.
+#[test]
+fn a_lookup_reads_l2_without_holding_the_shard_lock() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let dir = tempfile::tempdir().unwrap();
+    let mut gate = None;
+    let (index, store) = tiered_shard_reading(dir.path(), |store| {
+        let g = Arc::new(GatedReads {
+            store,
+            closed: parking_lot::Mutex::new(false),
+            opened: parking_lot::Condvar::new(),
+            waiting: Default::default(),
+        });
+        gate = Some(g.clone());
+        g as Arc<dyn L2Reader>
+    });
+    let gate = gate.unwrap();
+    let mut traffic = Traffic {
+        fleet: fleet(33),
+        next_offset: 0,
+    };
+    let reference = Index::new(IndexSettings { shards: 1, seed: 1 });
+    for ev in traffic.batch(120).1 {
+        let _ = index.apply(&ev, 0);
+        let _ = reference.apply(&ev, 0);
+    }
+    commit_and_learn_ids(&index, &store);
+    // Everything evicted: the queried blocks live only in L2.
+    let mut ctl = SpillController::new(
+        ShardL1::new(index.clone(), 0),
+        StoreSink::new(store.clone()),
+        Arc::new(CircuitBreaker::new(Arc::new(ManualClock::new()))),
+        SpillSettings::for_budget(1),
+    );
+    ctl.evict();
+    let q = queries(&mut traffic, 40);
+    let expected = fingerprint(&reference, &q, BLOCK_SIZE);
+    assert!(index.any_spilled(), "vacuous: nothing spilled");
+
+    *gate.closed.lock() = true;
+    let lookups = {
+        let index = index.clone();
+        let q = q.clone();
+        std::thread::spawn(move || fingerprint(&index, &q, BLOCK_SIZE))
+    };
+    wait_for("a lookup to read L2", Duration::from_secs(30), || {
+        (gate.waiting.load(SeqCst) > 0).then_some(())
+    });
+    let writer = index.shard(0).try_write_for(Duration::from_secs(5));
+    assert!(
+        writer.is_some(),
+        "the shard's writer waited on a lookup's L2 read"
+    );
+    drop(writer);
+    gate.open();
+    assert_eq!(lookups.join().unwrap(), expected);
 }

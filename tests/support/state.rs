@@ -32,9 +32,12 @@ pub fn caught_up(stats: &Value, log_end: i64) -> bool {
 pub struct Fingerprint {
     pub partitions: Vec<(String, u64, u64)>,
     pub engines: Vec<(String, u64, [u64; 3])>,
-    /// (engine, matched blocks, fastest tier of the last one, matched blocks per tier).
-    pub answers: Vec<Vec<(String, u32, String, [u32; 3])>>,
+    pub answers: Vec<Vec<AnswerRow>>,
 }
+
+/// One row of an answer: (engine, matched blocks, fastest tier of the last one, matched
+/// blocks per tier).
+pub type AnswerRow = (String, u32, String, [u32; 3]);
 
 pub fn fingerprint(
     index: &kvindex::index::Index,

@@ -189,7 +189,7 @@ impl Shard {
                     part.memberships += 1;
                     part.blocks += new_block as u64;
                 }
-                Added::TierAdded(old) => engine.holdings.change(old, old.with(tier)),
+                Added::Tier(old) => engine.holdings.change(old, old.with(tier)),
                 Added::Unchanged => {}
             }
             if let Some(c) = changes.as_deref_mut().filter(|_| added != Added::Unchanged) {

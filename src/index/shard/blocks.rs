@@ -33,7 +33,7 @@ pub(super) enum Added {
         new_block: bool,
     },
     /// The engine held the block on these other tiers; now on `tier` too.
-    TierAdded(TierSet),
+    Tier(TierSet),
     Unchanged,
 }
 
@@ -84,7 +84,7 @@ impl BlockTable {
                 self.memberships += 1;
                 Added::Holder { new_block }
             }
-            SetOutcome::TierAdded(old) => Added::TierAdded(old),
+            SetOutcome::TierAdded(old) => Added::Tier(old),
             SetOutcome::Unchanged => Added::Unchanged,
         }
     }

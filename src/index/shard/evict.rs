@@ -250,6 +250,7 @@ impl Shard {
             && let Some(t) = self.spill.as_deref_mut()
         {
             t.spilled = true;
+            t.epoch += 1;
         }
         r
     }

@@ -5,6 +5,7 @@
 //! Tier sets are counted only for blocks an engine holds somewhere other than on GPU alone: the
 //! usual all-GPU walk pays one extra AND per word and nothing per engine.
 
+use super::lookup_l2::L2Prefetch;
 use super::{PREFETCH_AHEAD, RawMatch, Shard};
 use crate::event::{Tier, TierSet};
 use crate::index::holders::{DenseBits, Holders};
@@ -189,8 +190,19 @@ impl Shard {
     /// first `limit` rows are ordered, and of the last one only what is kept: an answer naming
     /// a whole fleet costs a sort of the rows returned, not of every engine that matched.
     pub fn lookup_sorted(&self, keys: &[u64], out: &mut Vec<RawMatch>, limit: usize) {
+        self.lookup_sorted_with(keys, out, limit, None);
+    }
+
+    /// [`Shard::lookup_sorted`], taking the L2 rows it needs from `pre` where that has them.
+    pub fn lookup_sorted_with(
+        &self,
+        keys: &[u64],
+        out: &mut Vec<RawMatch>,
+        limit: usize,
+        pre: Option<&L2Prefetch>,
+    ) {
         let start = out.len();
-        self.lookup_best(keys, out, limit);
+        self.lookup_best(keys, out, limit, pre);
         // `lookup_best` emits rows grouped by `matched` ascending: reversing the whole run puts the
         // groups in descending order, then each (small) group is ordered by name rank.
         let rows = &mut out[start..];
@@ -220,7 +232,7 @@ impl Shard {
     /// For each engine holding `keys[0]`: the longest run of leading `keys` it holds. Rows are
     /// appended to `out` in ascending `matched` order.
     pub fn lookup(&self, keys: &[u64], out: &mut Vec<RawMatch>) {
-        self.lookup_best(keys, out, usize::MAX);
+        self.lookup_best(keys, out, usize::MAX, None);
     }
 
     /// [`Shard::lookup`], leaving out rows that cannot be among the best `limit`: an engine
@@ -228,14 +240,20 @@ impl Shard {
     /// beaten by each of them (they match more blocks), so its row is never emitted. A router
     /// asking for the best few of a large fleet then pays for the rows near the end of the
     /// match, not for one row per engine holding the first block.
-    fn lookup_best(&self, keys: &[u64], out: &mut Vec<RawMatch>, limit: usize) {
+    fn lookup_best(
+        &self,
+        keys: &[u64],
+        out: &mut Vec<RawMatch>,
+        limit: usize,
+        pre: Option<&L2Prefetch>,
+    ) {
         let Some((&first, _)) = keys.split_first() else {
             return;
         };
         let now = self.lru_now();
         // A block only L2 holds is decoded into a spare (see `resolve`).
         let (mut spare0, mut spare) = (Holders::default(), Holders::default());
-        let Some(h0) = self.resolve(first, now, &mut spare0) else {
+        let Some(h0) = self.resolve(first, now, &mut spare0, pre) else {
             return;
         };
         let words = self.engines.len().div_ceil(64).max(1);
@@ -254,7 +272,7 @@ impl Shard {
                 if let Some(&ahead) = keys.get(i + PREFETCH_AHEAD) {
                     self.table.prefetch(ahead);
                 }
-                let Some(h) = self.resolve(*key, now, &mut spare) else {
+                let Some(h) = self.resolve(*key, now, &mut spare, pre) else {
                     emit(active, None, i as u32, mix, out);
                     return;
                 };
@@ -273,9 +291,16 @@ impl Shard {
     }
 
     /// The holders of block `key`: L1's (stamping the entry as used at `now`), else L2's
-    /// decoded into `spare` when the shard has spilled to L2.
+    /// decoded into `spare` when the shard has spilled to L2 (from `pre` where it has the row,
+    /// see `lookup_l2.rs`).
     #[inline]
-    fn resolve<'a>(&'a self, key: u64, now: u32, spare: &'a mut Holders) -> Option<&'a Holders> {
+    fn resolve<'a>(
+        &'a self,
+        key: u64,
+        now: u32,
+        spare: &'a mut Holders,
+        pre: Option<&L2Prefetch>,
+    ) -> Option<&'a Holders> {
         if let Some(b) = self.table.blocks.get(key) {
             if now != 0 && b.used.load(Relaxed) != now {
                 b.used.store(now, Relaxed);
@@ -285,7 +310,13 @@ impl Shard {
         if !self.is_spilled() {
             return None;
         }
-        self.read_l2_for_lookup(key, spare).then_some(&*spare)
+        match self.prefetched(pre, key) {
+            Some(row) => {
+                self.take_l2_row(key, row?, spare);
+                Some(&*spare)
+            }
+            None => self.read_l2_for_lookup(key, spare).then_some(&*spare),
+        }
     }
 
     #[inline]

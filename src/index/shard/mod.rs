@@ -10,6 +10,7 @@
 //! - `blocks.rs`: the block table (holders, bitsets of dense blocks);
 //! - `apply.rs`: stored / removed / cleared events, with the eviction-scope rule;
 //! - `lookup.rs`: the longest-prefix walk;
+//! - `lookup_l2.rs`: the L2 rows a lookup needs, read outside the shard's lock;
 //! - `persist.rs`: change tracking for commits, and the restore calls of a reload;
 //! - `spill.rs`: reading through to L2 (faults, restores, durable ids);
 //! - `evict.rs`: what the spill controller calls (costs, coldest entries, conditional removal);
@@ -20,10 +21,12 @@ mod apply;
 mod blocks;
 mod evict;
 mod lookup;
+mod lookup_l2;
 mod persist;
 mod spill;
 
 pub use evict::{BLOCK_ENTRY_BYTES, DirtyCursor, L1Key, MAP_ENTRY_BYTES};
+pub use lookup_l2::{L2Plan, L2Prefetch};
 pub use spill::{ReadThroughSettings, ReadThroughStats};
 
 use super::changes::Changes;

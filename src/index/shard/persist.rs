@@ -33,6 +33,7 @@ impl Shard {
     /// and resets the tracker. Call it between events, in the thread that applies them, and
     /// commit the result with the source offsets applied so far.
     pub fn take_changes(&mut self) -> ChangeSet {
+        self.advance_l2_epoch();
         let Some(c) = self.changes.as_deref_mut() else {
             return ChangeSet::default();
         };
@@ -170,7 +171,7 @@ impl Shard {
                     part.memberships += 1;
                     part.blocks += new_block as u64;
                 }
-                Added::TierAdded(old) => engine.holdings.change(old, old.with(tier)),
+                Added::Tier(old) => engine.holdings.change(old, old.with(tier)),
                 Added::Unchanged => {}
             }
         }

@@ -20,6 +20,7 @@
 //! a block with a change pending (removed since the last commit) is never restored.
 
 use super::evict::BLOCK_ENTRY_BYTES;
+use super::lookup_l2::read_counted;
 use super::{Block, MapEntry, Shard, SkipReason};
 use crate::event::TierSet;
 use crate::index::holders::{DenseBits, EngineIdx, Holders, should_be_dense};
@@ -108,6 +109,9 @@ pub(super) struct SpillState {
     /// Blocks lookups read from L2, for [`Shard::restore_blocks`].
     pub(super) promote: Mutex<Vec<u64>>,
     pub(super) stats: Arc<ReadThroughStats>,
+    /// Counts evictions and commits started: the moments L2's rows of blocks L1 lacks can
+    /// change (see `lookup_l2.rs`).
+    pub(super) epoch: u64,
 }
 
 impl Shard {
@@ -131,6 +135,7 @@ impl Shard {
             map_hand: (0, 0, 0),
             promote: Mutex::new(Vec::new()),
             stats,
+            epoch: 0,
         }));
     }
 
@@ -192,7 +197,7 @@ impl Shard {
 
     /// Whether block `key` changed since the last commit. Then L1 is authoritative: if it
     /// lacks the block, the block was deleted, and L2's row is the stale pre-delete value.
-    fn block_pending(&self, key: u64) -> bool {
+    pub(super) fn block_pending(&self, key: u64) -> bool {
         self.changes
             .as_deref()
             .is_some_and(|c| c.blocks.contains_key(&key))
@@ -219,29 +224,33 @@ impl Shard {
         let Ok(Some(row)) = self.read_block(t, key) else {
             return false;
         };
-        *out = self.holders_of(&row);
-        if t.settings.restore_on_read {
+        self.take_l2_row(key, &row, out);
+        true
+    }
+
+    /// A lookup's use of L2's `row` of block `key`: its holders into `out` (local ids), and
+    /// the block queued for restore.
+    pub(super) fn take_l2_row(&self, key: u64, row: &StoredBlock, out: &mut Holders) {
+        *out = self.holders_of(row);
+        if let Some(t) = self.spill.as_deref()
+            && t.settings.restore_on_read
+        {
             let mut q = t.promote.lock();
             if q.len() < PROMOTE_QUEUE_MAX {
                 q.push(key);
             }
         }
-        true
     }
 
     fn read_block(&self, t: &SpillState, key: u64) -> Result<Option<StoredBlock>, L2ReadError> {
-        t.stats.l2_reads.fetch_add(1, Relaxed);
-        let r = t.l2.block(t.shard, key);
-        match &r {
-            Ok(Some(_)) => {
-                t.stats.l2_hits.fetch_add(1, Relaxed);
-            }
-            Ok(None) => {}
-            Err(_) => {
-                t.stats.l2_read_errors.fetch_add(1, Relaxed);
-            }
+        read_counted(&*t.l2, t.shard, &t.stats, key)
+    }
+
+    /// Bumps the L2 epoch (an eviction, or a commit taking the changes).
+    pub(super) fn advance_l2_epoch(&mut self) {
+        if let Some(t) = self.spill.as_deref_mut() {
+            t.epoch += 1;
         }
-        r
     }
 
     /// A stored row's holders in local ids (holders of engines this shard does not know,
