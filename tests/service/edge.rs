@@ -836,13 +836,15 @@ fn the_binary_never_logs_the_token() {
         tcp.read_to_string(&mut out).unwrap();
         out.split_whitespace().nth(1).unwrap().parse().unwrap()
     };
-    assert_eq!(call("GET", "/v1/stats", "wrong"), 401);
-    assert_eq!(call("GET", "/v1/stats", &token), 200);
-    assert_eq!(call("DELETE", "/v1/engines/nobody", &token), 404);
+    // The first refusal is the one logged (they are rate-limited): make it one whose header
+    // holds the token, so a log of the header would show it.
     assert_eq!(
         call("DELETE", "/v1/engines/nobody", &format!("{token}0")),
         401
     );
+    assert_eq!(call("GET", "/v1/stats", "wrong"), 401);
+    assert_eq!(call("GET", "/v1/stats", &token), 200);
+    assert_eq!(call("DELETE", "/v1/engines/nobody", &token), 404);
     let status = process
         .terminate(Duration::from_secs(30))
         .expect("kvindex stops");
