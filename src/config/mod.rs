@@ -18,6 +18,10 @@
 //! property `security.protocol` (lowercased, `_` → `.`: librdkafka names use dots only), and
 //! `KVINDEX_SOURCE__VLLM__LORA_NAMES__3=sql-lora` maps lora id 3.
 //!
+//! One key is environment-only: `http.auth_token` (`KVINDEX_HTTP__AUTH_TOKEN`), the API's
+//! bearer token, is refused in a file (which would end up in version control); a file can name
+//! a token file instead (`http.auth_token_file`). It is a [`Secret`]: never printed.
+//!
 //! # Files and conventions
 //! Here: the sections (`*Config`, one per file section) and their defaults; `load.rs`: the
 //! merge; `validate.rs`: the rules. Each component turns its section into its runtime
