@@ -1,9 +1,10 @@
 //! API errors: [`ApiError`] maps each failure to its HTTP status and the JSON body
 //! `{"error": "<message>"}` every non-2xx response of the API carries (404 and 405 included,
-//! through [`not_found`] and [`method_not_allowed`]).
+//! through [`not_found`] and [`method_not_allowed`]). 401s carry a `WWW-Authenticate: Bearer
+//! realm="kvindex"` challenge and the overload 503 a `Retry-After`.
 
 use axum::Json;
-use axum::http::{Method, StatusCode, Uri};
+use axum::http::{HeaderValue, Method, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 
@@ -24,6 +25,23 @@ pub enum ApiError {
     /// The server cannot do this (e.g. a read-only state without a pipeline).
     #[error("{0}")]
     Unavailable(String),
+    /// The route needs a bearer token and the request has none (401 with a `WWW-Authenticate`
+    /// challenge).
+    #[error("this route needs a bearer token (Authorization: Bearer <token>)")]
+    MissingToken,
+    /// The request's bearer token is not the configured one (401, `error="invalid_token"`).
+    #[error("the bearer token is not valid")]
+    InvalidToken,
+    /// Refused whatever the credentials (e.g. a mutation from off loopback with no token
+    /// configured); the message says what to configure.
+    #[error("{0}")]
+    Forbidden(String),
+    /// `http.max_concurrent_requests` are being served (503 with `Retry-After: 1`).
+    #[error("too many requests in flight (limit {limit}); retry shortly")]
+    Overloaded { limit: usize },
+    /// The request was not answered within `http.request_timeout_ms` (503).
+    #[error("the request did not complete within {ms} ms")]
+    Timeout { ms: u64 },
 }
 
 impl ApiError {
@@ -39,6 +57,11 @@ impl ApiError {
             ApiError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::UnknownEngine(_) => StatusCode::NOT_FOUND,
             ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::MissingToken | ApiError::InvalidToken => StatusCode::UNAUTHORIZED,
+            ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
+            ApiError::Overloaded { .. } | ApiError::Timeout { .. } => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
         }
     }
 }
@@ -51,13 +74,31 @@ pub struct ErrorBody {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (
+        let mut res = (
             self.status(),
             Json(ErrorBody {
                 error: self.to_string(),
             }),
         )
-            .into_response()
+            .into_response();
+        let extra = match self {
+            ApiError::MissingToken => Some((
+                header::WWW_AUTHENTICATE,
+                HeaderValue::from_static(r#"Bearer realm="kvindex""#),
+            )),
+            ApiError::InvalidToken => Some((
+                header::WWW_AUTHENTICATE,
+                HeaderValue::from_static(r#"Bearer realm="kvindex", error="invalid_token""#),
+            )),
+            ApiError::Overloaded { .. } => {
+                Some((header::RETRY_AFTER, HeaderValue::from_static("1")))
+            }
+            _ => None,
+        };
+        if let Some((name, value)) = extra {
+            res.headers_mut().insert(name, value);
+        }
+        res
     }
 }
 

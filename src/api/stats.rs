@@ -1,6 +1,6 @@
-//! `GET /v1/stats` (index, event and lookup counters plus the sources' own report) and
-//! `GET /v1/engines` (every engine the index knows, merged over shards, with the bridge's
-//! state of each engine it follows).
+//! `GET /v1/stats` (index, event and lookup counters plus the sources' own report),
+//! `GET /v1/engines` (the engines the index knows, merged over shards, with the bridge's state
+//! of each engine it follows, a page at a time) and `DELETE /v1/engines/{id}`.
 
 use super::AppState;
 use super::error::ApiError;
@@ -10,9 +10,10 @@ use crate::index::{EngineInfo, PinnedSize};
 use crate::ingest::SourceStatus;
 use crate::spill::SpillStats;
 use axum::Json;
-use axum::extract::{Path, State};
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Path, Query, State};
 use axum::response::{IntoResponse, Response};
-use serde::{Serialize, Serializer};
+use serde::{Deserialize, Serialize, Serializer};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::Ordering::Relaxed;
 
@@ -81,12 +82,75 @@ impl<'a> From<&'a EngineInfo> for EngineRow<'a> {
 
 #[derive(Serialize)]
 struct EnginesResponse<'a> {
-    engines: Vec<EngineRow<'a>>,
+    engines: &'a [EngineRow<'a>],
+    /// The cursor of the next page; `None` on the last.
+    next: Option<String>,
 }
 
-// Bodies borrow from locals, so they are serialized here (`Json::into_response` serializes
-// eagerly) rather than returned as `Json<T>`.
-pub async fn engines(State(state): State<AppState>) -> Response {
+/// The query of `GET /v1/engines`: both optional, as text so that errors name the field.
+#[derive(Deserialize)]
+pub struct PageQuery {
+    limit: Option<String>,
+    cursor: Option<String>,
+}
+
+/// A page request: at most `limit` engines with ids after `after`.
+#[derive(Debug, PartialEq, Eq)]
+struct Page {
+    limit: usize,
+    after: Option<String>,
+}
+
+impl PageQuery {
+    /// `limit` (1 or more; lowered to `max_page_size`, which is also the default) and `cursor`
+    /// (an opaque token from a previous page's `next`: the hex of the last engine id served).
+    fn page(self, max_page_size: usize) -> Result<Page, ApiError> {
+        let limit = match self.limit.as_deref() {
+            None => max_page_size,
+            Some(s) => match s.parse::<u64>() {
+                Ok(n) if n >= 1 => usize::try_from(n).unwrap_or(usize::MAX).min(max_page_size),
+                _ => {
+                    return Err(ApiError::bad_request(format!(
+                        "limit: expected an integer of at least 1 (pages hold at most \
+                         {max_page_size}), got `{s}`"
+                    )));
+                }
+            },
+        };
+        let after = match self.cursor.as_deref() {
+            None | Some("") => None,
+            Some(c) => Some(
+                hex::decode(c)
+                    .ok()
+                    .and_then(|b| String::from_utf8(b).ok())
+                    .ok_or_else(|| {
+                        ApiError::bad_request(
+                            "cursor: not a cursor this server gave (pass `next` from the \
+                             previous page as is)",
+                        )
+                    })?,
+            ),
+        };
+        Ok(Page { limit, after })
+    }
+}
+
+/// `GET /v1/engines?limit=&cursor=`: one page of the engines sorted by id, with the cursor of
+/// the next (`null` on the last page). Pages hold at most `http.max_page_size` engines.
+///
+/// Bodies borrow from locals, so they are serialized here (`Json::into_response` serializes
+/// eagerly) rather than returned as `Json<T>`.
+pub async fn engines(
+    State(state): State<AppState>,
+    query: Result<Query<PageQuery>, QueryRejection>,
+) -> Response {
+    let page = match query
+        .map_err(|e| ApiError::bad_request(format!("invalid query: {}", e.body_text())))
+        .and_then(|Query(q)| q.page(state.max_page_size))
+    {
+        Ok(page) => page,
+        Err(e) => return e.into_response(),
+    };
     let engines = state.index.engines();
     let mut rows: Vec<EngineRow<'_>> = engines.iter().map(EngineRow::from).collect();
     let streams = state
@@ -114,7 +178,20 @@ pub async fn engines(State(state): State<AppState>) -> Response {
         bridge: Some(stream.clone()),
     }));
     rows.sort_by(|a, b| a.engine_id.cmp(b.engine_id));
-    Json(&EnginesResponse { engines: rows }).into_response()
+    let start = page
+        .after
+        .as_deref()
+        .map_or(0, |after| rows.partition_point(|r| r.engine_id <= after));
+    let rest = &rows[start..];
+    let served = &rest[..rest.len().min(page.limit)];
+    let next = (served.len() < rest.len())
+        .then(|| served.last().map(|r| hex::encode(r.engine_id)))
+        .flatten();
+    Json(&EnginesResponse {
+        engines: served,
+        next,
+    })
+    .into_response()
 }
 
 /// `DELETE /v1/engines/{id}`: drops the engine from every partition, durably (committed
@@ -235,5 +312,46 @@ fn empty_if_none<S: Serializer, T: Serialize>(v: &Option<T>, s: S) -> Result<S::
     match v {
         Some(v) => v.serialize(s),
         None => serde_json::Map::new().serialize(s),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn query(limit: Option<&str>, cursor: Option<&str>) -> PageQuery {
+        PageQuery {
+            limit: limit.map(str::to_string),
+            cursor: cursor.map(str::to_string),
+        }
+    }
+
+    #[test]
+    fn page_limits_and_cursors() {
+        let page = |l, c| query(l, c).page(10);
+        assert_eq!(
+            page(None, None).unwrap(),
+            Page {
+                limit: 10,
+                after: None
+            }
+        );
+        assert_eq!(page(Some("3"), None).unwrap().limit, 3);
+        assert_eq!(page(Some("99999999999999999999"), None).ok(), None);
+        assert_eq!(page(Some("1000"), None).unwrap().limit, 10);
+        let cursor = hex::encode("engine#dp1");
+        assert_eq!(
+            page(None, Some(&cursor)).unwrap().after.as_deref(),
+            Some("engine#dp1")
+        );
+        assert_eq!(page(None, Some("")).unwrap().after, None);
+        for bad in ["0", "-1", "x", ""] {
+            let e = page(Some(bad), None).unwrap_err().to_string();
+            assert!(e.starts_with("limit: "), "{e}");
+        }
+        for bad in ["zz", "abc", "ff"] {
+            let e = page(None, Some(bad)).unwrap_err().to_string();
+            assert!(e.starts_with("cursor: "), "{e}");
+        }
     }
 }

@@ -117,6 +117,7 @@ impl Running {
 
 async fn run_http(
     running: &Running,
+    tls: Option<Arc<api::tls::ServerConfig>>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let service = &running.service;
@@ -125,13 +126,34 @@ async fn run_http(
         .await
         .with_context(|| format!("binding http.listen {listen}"))?;
     let addr = listener.local_addr()?;
-    let mut state = api::AppState::over(service, Some(running.report.clone()));
+    let mut state = api::AppState::over(service, Some(running.report.clone()))?;
     state.bridge = running.bridge.as_ref().map(Bridge::stats);
-    tracing::info!(%addr, shards = service.index.shard_count(), "kvindex listening");
-    println!("kvindex listening on http://{addr}");
-    api::serve(listener, state, shutdown)
-        .await
-        .context("http server")
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    tracing::info!(
+        %addr,
+        scheme,
+        token = state.auth.has_token(),
+        shards = service.index.shard_count(),
+        "kvindex listening"
+    );
+    println!("kvindex listening on {scheme}://{addr}");
+    if !state.auth.has_token() && !addr.ip().is_loopback() {
+        tracing::warn!(
+            %addr,
+            "no API token configured: DELETE /v1/engines/{{id}} is refused to non-loopback \
+             peers (set http.auth_token_file or KVINDEX_HTTP__AUTH_TOKEN)"
+        );
+    }
+    match tls {
+        Some(tls) => api::serve_tls(listener, tls, state, shutdown).await,
+        None => api::serve(listener, state, shutdown).await,
+    }
+    .context("http server")
+}
+
+/// The TLS configuration, loaded before anything starts so that a bad file fails at once.
+fn load_tls(config: &Config) -> anyhow::Result<Option<Arc<api::tls::ServerConfig>>> {
+    Ok(api::tls::server_config(&config.http)?)
 }
 
 pub async fn shutdown_signal() {
@@ -155,8 +177,9 @@ pub async fn shutdown_signal() {
 
 pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let config = load_config(&args)?;
+    let tls = load_tls(&config)?;
     let running = Running::start(config, args.reset_on_divergence)?;
-    let result = run_http(&running, shutdown_signal()).await;
+    let result = run_http(&running, tls, shutdown_signal()).await;
     running.stop().await;
     result
 }
@@ -228,6 +251,7 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<()> {
     let mut config = load_config(&args.serve)?;
     // The demo is the embedded default: a fleet producing into the in-process broker.
     config.source.kind = SourceKind::Embedded;
+    let tls = load_tls(&config)?;
     let running = Running::start(config, false)?;
     let bootstrap = running
         .embedded
@@ -291,13 +315,23 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<()> {
         args.engines, args.adapters, args.rate
     );
     println!("Try:");
-    println!(
-        "  curl -s http://{listen}/v1/lookup -d @{}",
-        query_file.display()
-    );
-    println!("  curl -s http://{listen}/v1/stats");
-    println!("  curl -s http://{listen}/v1/engines");
-    println!("  curl -s http://{listen}/metrics\n");
+    // With TLS the certificate may be self-signed (`-k`); with auth_reads every read needs the
+    // token, which is never printed.
+    let (base, insecure) = if config.http.tls() {
+        (format!("https://{listen}"), " -k")
+    } else {
+        (format!("http://{listen}"), "")
+    };
+    let auth = if config.http.auth_reads {
+        " -H \"Authorization: Bearer $KVINDEX_TOKEN\""
+    } else {
+        ""
+    };
+    let curl = format!("curl -s{insecure}{auth}");
+    println!("  {curl} {base}/v1/lookup -d @{}", query_file.display());
+    println!("  {curl} {base}/v1/stats");
+    println!("  {curl} {base}/v1/engines");
+    println!("  {curl} {base}/metrics\n");
 
     let stop = Arc::new(AtomicBool::new(false));
     let producer = {
@@ -325,7 +359,7 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<()> {
             shutdown_signal().await;
         }
     };
-    let result = run_http(&running, shutdown).await;
+    let result = run_http(&running, tls, shutdown).await;
     stop.store(true, Ordering::Relaxed);
     let _ = producer.await;
     running.stop().await;

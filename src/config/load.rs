@@ -49,6 +49,19 @@ impl Config {
                     message: e.to_string(),
                 })?;
             let origin = path.display().to_string();
+            if table
+                .get("http")
+                .and_then(Value::as_table)
+                .is_some_and(|http| http.contains_key("auth_token"))
+            {
+                return Err(ConfigError::invalid(
+                    "http.auth_token",
+                    format!(
+                        "is not read from a config file ({origin}): name a file holding the \
+                         token in http.auth_token_file, or set KVINDEX_HTTP__AUTH_TOKEN"
+                    ),
+                ));
+            }
             merge(&mut tree, table, "", &origin)?;
         }
         let mut vars: Vec<(String, String)> = env
@@ -65,6 +78,8 @@ impl Config {
             .map_err(|e: toml::de::Error| ConfigError::invalid("config", e.to_string()))?;
         config.apply(overrides);
         config.validate()?;
+        // An unreadable or empty token file fails the load, not the first request.
+        config.http.bearer_token()?;
         Ok(config)
     }
 }

@@ -18,6 +18,10 @@
 //! property `security.protocol` (lowercased, `_` → `.`: librdkafka names use dots only), and
 //! `KVINDEX_SOURCE__VLLM__LORA_NAMES__3=sql-lora` maps lora id 3.
 //!
+//! One key is environment-only: `http.auth_token` (`KVINDEX_HTTP__AUTH_TOKEN`), the API's
+//! bearer token, is refused in a file (which would end up in version control); a file can name
+//! a token file instead (`http.auth_token_file`). It is a [`Secret`]: never printed.
+//!
 //! # Files and conventions
 //! Here: the sections (`*Config`, one per file section) and their defaults; `load.rs`: the
 //! merge; `validate.rs`: the rules. Each component turns its section into its runtime
@@ -25,7 +29,10 @@
 //! decoder's is here, because the event contract depends on nothing.
 
 mod load;
+mod secret;
 mod validate;
+
+pub use secret::{REDACTED, Secret};
 
 use crate::event::{DecodeSettings, Format, VllmSettings};
 use serde::{Deserialize, Serialize};
@@ -202,6 +209,8 @@ pub struct BridgeEngineConfig {
     pub tenant: String,
 }
 
+/// The `[http]` section: where the API listens and how it guards itself (see the README,
+/// *Securing the API*).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct HttpConfig {
@@ -209,6 +218,30 @@ pub struct HttpConfig {
     pub listen: String,
     /// Largest accepted request body.
     pub max_body_bytes: usize,
+    /// A file holding the API's bearer token (trailing line breaks are dropped); `""` = none.
+    /// Exclusive with `auth_token`.
+    pub auth_token_file: PathBuf,
+    /// The bearer token itself, from `KVINDEX_HTTP__AUTH_TOKEN` only (a config file may not
+    /// carry it); `""` = none. Never printed: `Debug` and `Serialize` redact it.
+    ///
+    /// With a token, mutating routes (`DELETE /v1/engines/{id}`) need `Authorization: Bearer
+    /// <token>`; without one they are served to loopback peers only.
+    pub auth_token: Secret,
+    /// Require the token on the read routes and `/metrics` too (`/healthz` and `/readyz` stay
+    /// open). Needs a token.
+    pub auth_reads: bool,
+    /// PEM certificate chain for HTTPS; with `tls_key`, or neither (plain HTTP).
+    pub tls_cert: PathBuf,
+    /// PEM private key (PKCS#8, PKCS#1 or SEC1) of `tls_cert`.
+    pub tls_key: PathBuf,
+    /// A request not answered within this many milliseconds gets a 503 (at least 1).
+    pub request_timeout_ms: u64,
+    /// Requests served at once, probes excepted; one more is answered 503 with `Retry-After: 1`
+    /// at once rather than queued (at least 1).
+    pub max_concurrent_requests: usize,
+    /// Most engines in one `GET /v1/engines` page; a larger `limit` is lowered to it (at least
+    /// 1).
+    pub max_page_size: usize,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -354,6 +387,14 @@ impl Default for HttpConfig {
         HttpConfig {
             listen: "127.0.0.1:8080".into(),
             max_body_bytes: 1024 * 1024,
+            auth_token_file: PathBuf::new(),
+            auth_token: Secret::default(),
+            auth_reads: false,
+            tls_cert: PathBuf::new(),
+            tls_key: PathBuf::new(),
+            request_timeout_ms: 10_000,
+            max_concurrent_requests: 1024,
+            max_page_size: 1000,
         }
     }
 }
@@ -479,6 +520,52 @@ impl From<&SourceConfig> for DecodeSettings {
                     .collect::<HashMap<_, _>>(),
             },
         }
+    }
+}
+
+impl HttpConfig {
+    /// The bearer token: `auth_token`, or the contents of `auth_token_file` without trailing
+    /// line breaks; `None` when neither is set. Reads the file on every call.
+    pub fn bearer_token(&self) -> Result<Option<Secret>, ConfigError> {
+        if !self.auth_token.is_empty() {
+            check_token("http.auth_token", self.auth_token.expose())?;
+            return Ok(Some(self.auth_token.clone()));
+        }
+        if self.auth_token_file.as_os_str().is_empty() {
+            return Ok(None);
+        }
+        let field = "http.auth_token_file";
+        let path = self.auth_token_file.display();
+        let text = std::fs::read_to_string(&self.auth_token_file)
+            .map_err(|e| ConfigError::invalid(field, format!("cannot read {path}: {e}")))?;
+        let token = text.trim_end_matches(['\n', '\r']);
+        if token.is_empty() {
+            return Err(ConfigError::invalid(field, format!("{path} is empty")));
+        }
+        check_token(field, token)?;
+        Ok(Some(Secret::new(token)))
+    }
+
+    /// Whether HTTPS is configured (`tls_cert` and `tls_key`).
+    pub fn tls(&self) -> bool {
+        !self.tls_cert.as_os_str().is_empty()
+    }
+
+    pub fn request_timeout(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(self.request_timeout_ms)
+    }
+}
+
+/// A token must fit an `Authorization` header as one word: visible ASCII, no spaces. The
+/// error never quotes it.
+fn check_token(field: &str, token: &str) -> Result<(), ConfigError> {
+    if token.bytes().all(|b| b.is_ascii_graphic()) {
+        Ok(())
+    } else {
+        Err(ConfigError::invalid(
+            field,
+            "the token must be visible ASCII without spaces or line breaks inside",
+        ))
     }
 }
 

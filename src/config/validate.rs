@@ -30,6 +30,7 @@ impl Config {
                 format!("must be at least 1024, got {}", self.http.max_body_bytes),
             ));
         }
+        self.validate_http()?;
         if self.source.max_payload_bytes == 0 {
             return Err(bad("source.max_payload_bytes", "must be at least 1, got 0"));
         }
@@ -159,6 +160,57 @@ impl Config {
             return Err(bad("checkpoint.max_events", "must be at least 1, got 0"));
         }
         self.validate_bridge()
+    }
+
+    /// `[http]` beyond the listen address and body limit: the token's sources, TLS files in
+    /// pairs, and the limits. The token file itself is read by
+    /// [`HttpConfig::bearer_token`](super::HttpConfig::bearer_token) (at load).
+    fn validate_http(&self) -> Result<(), ConfigError> {
+        let http = &self.http;
+        let has_file = !http.auth_token_file.as_os_str().is_empty();
+        if has_file && !http.auth_token.is_empty() {
+            return Err(ConfigError::invalid(
+                "http.auth_token_file",
+                "and KVINDEX_HTTP__AUTH_TOKEN are both set; give the token one way",
+            ));
+        }
+        if http.auth_reads && !has_file && http.auth_token.is_empty() {
+            return Err(ConfigError::invalid(
+                "http.auth_reads",
+                "needs a token (http.auth_token_file or KVINDEX_HTTP__AUTH_TOKEN)",
+            ));
+        }
+        match (
+            http.tls_cert.as_os_str().is_empty(),
+            http.tls_key.as_os_str().is_empty(),
+        ) {
+            (false, true) => {
+                return Err(ConfigError::invalid(
+                    "http.tls_key",
+                    "must be set with http.tls_cert (both or neither)",
+                ));
+            }
+            (true, false) => {
+                return Err(ConfigError::invalid(
+                    "http.tls_cert",
+                    "must be set with http.tls_key (both or neither)",
+                ));
+            }
+            _ => {}
+        }
+        for (field, value) in [
+            ("http.request_timeout_ms", http.request_timeout_ms),
+            (
+                "http.max_concurrent_requests",
+                http.max_concurrent_requests as u64,
+            ),
+            ("http.max_page_size", http.max_page_size as u64),
+        ] {
+            if value == 0 {
+                return Err(ConfigError::invalid(field, "must be at least 1, got 0"));
+            }
+        }
+        Ok(())
     }
 
     /// `[[bridge.engines]]`: ids, ranks, models. Endpoint syntax per rank is checked where

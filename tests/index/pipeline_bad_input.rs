@@ -144,7 +144,7 @@ async fn malformed_payloads_are_counted_and_skipped_and_good_ones_still_apply() 
     assert_eq!(ingest(&service, &mut offset, &good_json, &forced), 0);
 
     // /v1/stats and /metrics show the reasons.
-    let app = router(AppState::over(&service, None));
+    let app = router(AppState::over(&service, None).expect("no token file to read"));
     let res = app
         .clone()
         .oneshot(

@@ -224,7 +224,7 @@ fn lookups_of_l2_blocks_bring_them_back_and_stats_report_it() {
     );
     assert_same(&service, &reference, &q, "after restores");
 
-    let state = kvindex::api::AppState::over(&service, None);
+    let state = kvindex::api::AppState::over(&service, None).expect("no token file to read");
     let json = serde_json::to_value(state.spill.as_ref().unwrap().stats()).unwrap();
     for field in [
         "l1_bytes",

@@ -5,6 +5,7 @@
 use crate::support::events;
 use axum::Router;
 use axum::body::Body;
+use axum::extract::ConnectInfo;
 use axum::http::{HeaderMap, Request, StatusCode, header};
 use http_body_util::BodyExt;
 use kvindex::api::{self, AppState, ROUTES};
@@ -14,6 +15,7 @@ use kvindex::ingest::SourceStatus;
 use kvindex::metrics::Metrics;
 use serde_json::{Value, json};
 use std::collections::BTreeSet;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use tower::ServiceExt;
@@ -106,7 +108,11 @@ async fn call(
     path: &str,
     body: Option<Vec<u8>>,
 ) -> (StatusCode, HeaderMap, Vec<u8>) {
-    let mut req = Request::builder().method(method).uri(path);
+    // As `api::serve` would: the peer address, on loopback (what a test client is).
+    let mut req = Request::builder()
+        .method(method)
+        .uri(path)
+        .extension(ConnectInfo(SocketAddr::from(([127, 0, 0, 1], 40_000))));
     if body.is_some() {
         req = req.header(header::CONTENT_TYPE, "application/json");
     }

@@ -1,5 +1,6 @@
-//! The service as users run it: the HTTP API against its OpenAPI document, the configuration
-//! contract, the real `kvindex` binary (serve, demo, replay, bench), and `kill -9` trials.
+//! The service as users run it: the HTTP API against its OpenAPI document, its edge (token,
+//! TLS, limits, pages), the configuration contract, the real `kvindex` binary (serve, demo,
+//! replay, bench), and `kill -9` trials.
 
 #[path = "../support/mod.rs"]
 mod support;
@@ -9,4 +10,5 @@ mod bench_cli;
 mod config;
 mod crash;
 mod demo;
+mod edge;
 mod serve;
