@@ -711,7 +711,9 @@ fn http_config_rules_name_their_field() {
 
     let empty = dir.path().join("empty");
     std::fs::write(&empty, "\n").unwrap();
-    let cases: Vec<(String, Vec<(&str, &str)>, &str)> = vec![
+    // (config file, environment, the field its error must name)
+    type Case<'a> = (String, Vec<(&'a str, &'a str)>, &'a str);
+    let cases: Vec<Case> = vec![
         (
             file_line.clone(),
             vec![("KVINDEX_HTTP__AUTH_TOKEN", TOKEN)],
