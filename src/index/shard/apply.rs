@@ -183,15 +183,7 @@ impl Shard {
                 );
             }
             let added = table.add(key, eid, tier, engine_count, now);
-            match added {
-                Added::Holder { new_block } => {
-                    engine.holdings.change(TierSet::EMPTY, TierSet::of(tier));
-                    part.memberships += 1;
-                    part.blocks += new_block as u64;
-                }
-                Added::Tier(old) => engine.holdings.change(old, old.with(tier)),
-                Added::Unchanged => {}
-            }
+            added.count(tier, &mut engine.holdings, part);
             if let Some(c) = changes.as_deref_mut().filter(|_| added != Added::Unchanged) {
                 let born = matches!(added, Added::Holder { new_block: true });
                 c.block(key, pid, born);

@@ -37,6 +37,22 @@ pub(super) enum Added {
     Unchanged,
 }
 
+impl Added {
+    /// Counts what adding a membership on `tier` did into the engine's `holdings` and its
+    /// partition's block and membership counts.
+    pub(super) fn count(self, tier: Tier, holdings: &mut Holdings, part: &mut PartitionState) {
+        match self {
+            Added::Holder { new_block } => {
+                holdings.change(TierSet::EMPTY, TierSet::of(tier));
+                part.memberships += 1;
+                part.blocks += new_block as u64;
+            }
+            Added::Tier(old) => holdings.change(old, old.with(tier)),
+            Added::Unchanged => {}
+        }
+    }
+}
+
 impl BlockTable {
     /// Starts loading the slots a lookup of `key` reads: the block's and, when the shard has
     /// dense blocks, its bitset's.

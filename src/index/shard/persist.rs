@@ -2,7 +2,6 @@
 //! restore calls that rebuild a shard from stored rows at start. Restoring records no changes
 //! (the rows are durable already).
 
-use super::blocks::Added;
 use super::{MapEntry, Shard, SkipReason};
 use crate::event::PartitionKey;
 use crate::event::TierSet;
@@ -165,15 +164,8 @@ impl Shard {
         let engine = &mut self.engines[eid as usize];
         let part = &mut self.partitions[pid as usize];
         for tier in tiers.iter() {
-            match self.table.add(block, eid, tier, engine_count, 0) {
-                Added::Holder { new_block } => {
-                    engine.holdings.change(TierSet::EMPTY, TierSet::of(tier));
-                    part.memberships += 1;
-                    part.blocks += new_block as u64;
-                }
-                Added::Tier(old) => engine.holdings.change(old, old.with(tier)),
-                Added::Unchanged => {}
-            }
+            let added = self.table.add(block, eid, tier, engine_count, 0);
+            added.count(tier, &mut engine.holdings, part);
         }
     }
 
