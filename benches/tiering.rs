@@ -257,14 +257,7 @@ fn dirty_shards(
     for s in 0..shards {
         let changes = index.shard(s).write().take_changes();
         store.commit(s as u16, &changes, &[]).expect("commit");
-        let (engines, partitions) = store.durable_ids(&changes.engine_names, &changes.partitions);
-        let mut shard = index.shard(s).write();
-        for (l, d) in engines {
-            shard.learn_durable_engine(l, d);
-        }
-        for (l, d) in partitions {
-            shard.learn_durable_partition(l, d);
-        }
+        store.after_commit(&mut index.shard(s).write(), &changes);
     }
     let mut rng = Rng::new(seed);
     for _ in 0..stores {

@@ -4,10 +4,10 @@
 //! form types by default; the body is the contract), parsed by [`super::request`], and answered
 //! from the index inline on the async worker: a typical lookup takes ~10 µs and even the largest
 //! allowed query (1M tokens) is about a millisecond of hashing, less than the cost of handing
-//! work to `spawn_blocking` and back for the common case. Once blocks live only in L2, a lookup
-//! may read RocksDB, which can stall: then it runs on the blocking pool. Shard read locks are
-//! held only for the scan of each shard (never across an L2 read), and writers hold theirs only
-//! per applied batch.
+//! work to `spawn_blocking` and back. Once blocks live only in L2, a lookup may read RocksDB:
+//! inline still while RocksDB can answer from memory, on the blocking pool once a read would
+//! wait on storage (see [`answer`]). Shard read locks are held only for the scan of each shard
+//! (never across an L2 read), and writers hold theirs only per applied batch.
 
 use super::AppState;
 use super::error::ApiError;
@@ -26,14 +26,9 @@ pub async fn lookup(
     State(state): State<AppState>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    // A spilled index may read RocksDB, which can stall: off the async workers then.
-    let answered = if state.index.any_spilled() {
-        let st = state.clone();
-        tokio::task::spawn_blocking(move || answer(&st, body))
-            .await
-            .unwrap_or_else(|e| Err(ApiError::Unavailable(format!("lookup failed: {e}"))))
-    } else {
-        answer(&state, body)
+    let answered = match prepare(&state, body) {
+        Ok(query) => answer(&state, query).await,
+        Err(e) => Err(e),
     };
     if answered.is_err() {
         state.metrics.lookup_errors.fetch_add(1, Relaxed);
@@ -153,7 +148,46 @@ struct Answered {
     answer: crate::index::Answer,
 }
 
-fn answer(state: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Answered, ApiError> {
+/// A lookup parsed, its block keys computed.
+struct Prepared {
+    partition: crate::event::PartitionKey,
+    block_size: Option<u32>,
+    keys: Vec<u64>,
+    options: LookupOptions,
+    start: Instant,
+}
+
+/// Answers `query` on the async worker when no L2 read it needs waits on storage (the usual
+/// case, spilled or not: RocksDB's filters say "absent" from memory, and hot rows are in its
+/// block cache), else on the blocking pool, where a read may wait on the disk.
+async fn answer(state: &AppState, query: Prepared) -> Result<Answered, ApiError> {
+    let Prepared {
+        partition,
+        block_size,
+        keys,
+        options,
+        start,
+    } = query;
+    let query_blocks = keys.len();
+    let answer = match state.index.try_lookup_keys_with(&keys, &options) {
+        Some(answer) => answer,
+        None => {
+            let index = state.index.clone();
+            tokio::task::spawn_blocking(move || index.lookup_keys_with(&keys, &options))
+                .await
+                .map_err(|e| ApiError::Unavailable(format!("lookup failed: {e}")))?
+        }
+    };
+    state.metrics.observe_lookup(start.elapsed().as_secs_f64());
+    Ok(Answered {
+        partition,
+        query_blocks,
+        block_size,
+        answer,
+    })
+}
+
+fn prepare(state: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Prepared, ApiError> {
     let body = body.map_err(|rejection| {
         if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
             ApiError::PayloadTooLarge {
@@ -214,13 +248,12 @@ fn answer(state: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Answe
         heard_since_us: heard_since,
         tier_weights: req.tier_weights,
     };
-    let (query_blocks, answer) = state.index.lookup_with(p, &blocks, &options);
-    state.metrics.observe_lookup(start.elapsed().as_secs_f64());
-    Ok(Answered {
+    Ok(Prepared {
+        keys: state.index.query_keys(p, &blocks),
         partition: req.partition,
-        query_blocks,
         block_size,
-        answer,
+        options,
+        start,
     })
 }
 

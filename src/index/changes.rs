@@ -32,6 +32,13 @@ pub(crate) struct Changes {
     pub(crate) engines: hashbrown::HashSet<EngineIdx>,
     /// Partitions interned since the last take (in interning order).
     pub(crate) partitions: Vec<u32>,
+    /// Engines that may have emptied for good (a clear left them no partition, an operator or
+    /// the liveness TTL forgot them, a store that interned them was skipped): the next take
+    /// retires those still empty (see `shard/reclaim.rs`). Any event of the engine cancels it.
+    pub(crate) retire_engines: hashbrown::HashSet<EngineIdx>,
+    /// Partitions that may have emptied for good (an engine's map in them was cleared, or a
+    /// store that interned them was skipped): retired at the next take if still empty.
+    pub(crate) retire_partitions: hashbrown::HashSet<u32>,
     /// Blocks and map entries that did not exist when they were first marked in this interval.
     /// L1 mirrors the store plus what is dirty, so such a row is not in the store either: if
     /// it is gone again when the changes are taken, no delete is written for it. Under churn
@@ -64,6 +71,8 @@ impl Changes {
             && self.cleared.is_empty()
             && self.engines.is_empty()
             && self.partitions.is_empty()
+            && self.retire_engines.is_empty()
+            && self.retire_partitions.is_empty()
     }
 }
 
@@ -107,10 +116,17 @@ pub struct EngineChange {
 /// name tables resolve them (the store maps names to its durable ids).
 #[derive(Clone, Debug, Default)]
 pub struct ChangeSet {
-    /// Every engine of the shard, by shard-local id (`Arc` clones, no string copies).
-    pub engine_names: Vec<Arc<str>>,
-    /// Every partition of the shard, by shard-local id.
-    pub partitions: Vec<PartitionKey>,
+    /// Every live engine of the shard, by shard-local id (`Arc` clones, no string copies);
+    /// `None` for a free slot or an engine retired by this set.
+    pub engine_names: Vec<Option<Arc<str>>>,
+    /// Every live partition of the shard, by shard-local id; `None` as for engines.
+    pub partitions: Vec<Option<PartitionKey>>,
+    /// Engines that emptied for good: their rows go (the store releases a durable id no shard
+    /// names any more), and once the set is committed the shard frees their slots
+    /// ([`Shard::reclaim`](super::Shard::reclaim)).
+    pub retired_engines: Vec<(EngineIdx, Arc<str>)>,
+    /// Partitions that emptied for good, as for engines.
+    pub retired_partitions: Vec<(u32, PartitionKey)>,
     /// Partitions interned since the last take.
     pub new_partitions: Vec<u32>,
     pub engines: Vec<EngineChange>,
@@ -131,6 +147,8 @@ impl ChangeSet {
 
     pub fn is_empty(&self) -> bool {
         self.new_partitions.is_empty()
+            && self.retired_engines.is_empty()
+            && self.retired_partitions.is_empty()
             && self.engines.is_empty()
             && self.cleared.is_empty()
             && self.maps.is_empty()

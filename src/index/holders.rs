@@ -231,6 +231,9 @@ pub struct DenseBits {
     /// `[held | gpu | cpu | disk]`, each `words` long.
     bits: Vec<u64>,
     words: usize,
+    /// Engines holding the block on a set of tiers other than GPU alone: with none, a
+    /// lookup reads only the held set (GPU is the held set, CPU and disk are empty).
+    mixed: u32,
 }
 
 /// Parts of [`DenseBits`]: the held set, then one per tier (`1 + Tier as usize`).
@@ -242,6 +245,7 @@ impl DenseBits {
         let mut d = DenseBits {
             bits: Vec::new(),
             words: 0,
+            mixed: 0,
         };
         d.grow(engine_count.max(1));
         for h in holders.as_slice() {
@@ -268,6 +272,11 @@ impl DenseBits {
     pub fn words(&self) -> usize {
         self.words
     }
+    /// Whether some engine holds the block elsewhere than on GPU alone.
+    #[inline]
+    pub fn mixed(&self) -> bool {
+        self.mixed > 0
+    }
     #[inline]
     pub fn held(&self) -> &[u64] {
         &self.bits[..self.words]
@@ -285,6 +294,12 @@ impl DenseBits {
         self.grow(e + 1);
         let (w, b) = (e / 64, 1u64 << (e % 64));
         let words = self.words;
+        let was = TierSet::from_bits(Tier::ALL.iter().fold(0, |acc, &t| {
+            let on = self.bits[(1 + t as usize) * words + w] & b != 0;
+            acc | (u8::from(on) << t as u8)
+        }));
+        let mixed = |t: TierSet| !t.is_empty() && t != TierSet::of(Tier::Gpu);
+        self.mixed = self.mixed + u32::from(mixed(tiers)) - u32::from(mixed(was));
         let mut put = |part: usize, on: bool| {
             let word = &mut self.bits[part * words + w];
             *word = if on { *word | b } else { *word & !b };
@@ -388,10 +403,18 @@ mod tests {
         assert_eq!(d.on(Tier::Disk)[0], 1 << 3);
         assert_eq!(d.on(Tier::Cpu)[2], 1 << 2);
         assert_eq!(d.on(Tier::Gpu)[2], 1 << 2);
+        assert!(d.mixed());
         d.set(130, TierSet::of(Tier::Gpu));
         assert_eq!(d.on(Tier::Cpu)[2], 0);
+        assert!(d.mixed(), "engine 3 is still on disk");
         d.clear(3);
         assert_eq!(d.held()[0], 0);
         assert_eq!(d.on(Tier::Disk)[0], 0);
+        assert!(!d.mixed(), "GPU alone is left");
+        d.set(7, TierSet::of(Tier::Cpu));
+        d.set(7, TierSet::of(Tier::Cpu));
+        assert!(d.mixed());
+        d.set(7, TierSet::of(Tier::Gpu));
+        assert!(!d.mixed());
     }
 }

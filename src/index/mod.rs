@@ -22,11 +22,13 @@ pub mod tiers;
 pub use block_sizes::{BlockSizes, Observed, PinnedSize};
 pub use changes::{BlockChange, ChangeSet, EngineChange, MapChange};
 pub use l1::ShardL1;
+use shard::L2Access;
 pub use shard::{RawMatch, Shard, SkipReason};
 pub use tiers::{TierMix, TierWeights};
 
 use crate::event::{EngineHash, Event, PartitionKey, Tier};
 use parking_lot::RwLock;
+use std::cell::Cell;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
@@ -97,6 +99,15 @@ pub struct Match<'a> {
     pub tier: Tier,
     pub blocks_on: [u32; 3],
     pub score: Option<f64>,
+}
+
+/// Which L2 reads a lookup may make.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum L2Reads {
+    /// Any, waiting on storage if need be.
+    Any,
+    /// Only those served from memory.
+    MemoryOnly,
 }
 
 /// What a lookup returns and how it ranks.
@@ -412,6 +423,23 @@ impl Index {
     /// The engines holding the longest runs of leading `keys`, filtered, ranked and cut as
     /// `options` says.
     pub fn lookup_keys_with(&self, keys: &[u64], options: &LookupOptions) -> Answer {
+        self.lookup_keys_reading(keys, options, L2Reads::Any)
+            .expect("a lookup that may wait on storage always answers")
+    }
+
+    /// [`Index::lookup_keys_with`] if it can answer without waiting on storage (its L2 reads
+    /// all served from memory: see [`crate::spill::L2Reader::block_if_cached`]); `None` if it
+    /// cannot, and the caller should run the lookup where blocking is allowed.
+    pub fn try_lookup_keys_with(&self, keys: &[u64], options: &LookupOptions) -> Option<Answer> {
+        self.lookup_keys_reading(keys, options, L2Reads::MemoryOnly)
+    }
+
+    fn lookup_keys_reading(
+        &self,
+        keys: &[u64],
+        options: &LookupOptions,
+        reads: L2Reads,
+    ) -> Option<Answer> {
         let limit = options.limit;
         let mut answer = Answer {
             rows: Vec::new(),
@@ -424,20 +452,30 @@ impl Index {
         for (i, s) in self.shards.iter().enumerate() {
             raw.clear();
             let mut shard = s.read();
-            // Blocks only L2 holds are read with the lock released (see `shard::L2Plan`).
             let mut prefetch = None;
-            let plan = shard.l2_plan(keys);
-            if let Some(plan) = plan {
+            // Reads from memory are as quick as L1's (under the lock, as the walk goes); reads
+            // that may wait on storage are taken with the lock released (`shard::L2Plan`).
+            let missed = Cell::new(false);
+            if reads == L2Reads::Any
+                && let Some(plan) = shard.l2_plan(keys)
+            {
                 drop(shard);
                 prefetch = Some(plan.read());
                 shard = s.read();
             }
+            let l2 = match reads {
+                L2Reads::Any => L2Access::Prefetched(prefetch.as_ref()),
+                L2Reads::MemoryOnly => L2Access::MemoryOnly(&missed),
+            };
             // Each shard orders its own rows with integer keys (name ranks); only the merge
             // below compares names, and only between rows of two shards. A filter or a score
             // can put any row in the best `limit`, so then every row is kept until it ran.
             let exact = options.heard_since_us.is_none() && options.tier_weights.is_none();
             let keep = if exact { limit } else { usize::MAX };
-            shard.lookup_sorted_with(keys, &mut raw, keep, prefetch.as_ref());
+            shard.lookup_sorted_with(keys, &mut raw, keep, l2);
+            if missed.get() {
+                return None;
+            }
             if let Some(since) = options.heard_since_us {
                 raw.retain(|m| shard.engine_heard_us(m.engine, self.created_us) >= since);
             }
@@ -459,7 +497,7 @@ impl Index {
         if runs.windows(2).filter(|w| w[0] < w[1]).count() > 1 {
             merge_runs(&mut answer, &runs, limit);
         }
-        answer
+        Some(answer)
     }
 
     /// [`Index::query_keys`] then [`Index::lookup_keys`].
@@ -507,11 +545,7 @@ impl Index {
             stats.block_entries += shard.blocks();
             stats.memberships += shard.memberships();
             stats.l1_bytes += shard.memory_bytes();
-            stats.seq_regressions += shard
-                .engines()
-                .iter()
-                .map(|e| e.seq_regressions)
-                .sum::<u64>();
+            stats.seq_regressions += shard.engines().map(|e| e.seq_regressions).sum::<u64>();
             for p in shard.partitions() {
                 let e = partitions
                     .entry(p.key.clone())
@@ -522,7 +556,7 @@ impl Index {
                 e.block_entries += p.blocks;
                 e.memberships += p.memberships;
             }
-            engines.extend(shard.engines().iter().map(|e| e.name.clone()));
+            engines.extend(shard.engines().map(|e| e.name.clone()));
         }
         stats.engines = engines.len();
         stats.partitions = partitions.into_values().collect();
@@ -545,10 +579,8 @@ impl Index {
                 for (t, c) in e.holdings.on.iter().enumerate() {
                     info.blocks_by_tier[t] += c;
                 }
-                info.partitions.extend(
-                    e.partition_ids()
-                        .map(|p| shard.partitions()[p as usize].key.clone()),
-                );
+                info.partitions
+                    .extend(e.partition_ids().map(|p| shard.partition(p).key.clone()));
                 info.last_seen_us = info.last_seen_us.max(e.last_seen_us);
                 info.seq_regressions += e.seq_regressions;
             }

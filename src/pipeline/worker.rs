@@ -11,7 +11,7 @@ use super::progress::{NONE, PartId, Progress};
 use super::spill::ShardSpill;
 use super::{Msg, ShardWork};
 use crate::event::{Event, EventKind};
-use crate::index::{ChangeSet, Index, Shard, SkipReason};
+use crate::index::{Index, Shard, SkipReason};
 use crate::metrics::Metrics;
 use crate::store::Store;
 use crate::util::{LogEvery, now_us};
@@ -317,6 +317,7 @@ impl Worker {
         for ev in &events {
             removed += self.apply_one(&mut guard, ev, now) as u64;
         }
+        guard.retire_engine(engine);
         self.applied_since_commit += events.len() as u64;
         Some(removed)
     }
@@ -359,26 +360,6 @@ impl Worker {
                 tracing::warn!(shard = self.shard, engine = %ev.engine, model = %ev.partition.model, adapter = %ev.partition.adapter, reason = reason.reason(), error = %reason, "event not applied");
                 0
             }
-        }
-    }
-
-    /// After a commit: the durable ids of engines and partitions that just got them, so the
-    /// shard can read and write their L2 rows.
-    fn learn_durable_ids(&self, changes: &ChangeSet) {
-        let mut shard = self.ctx.index.shard(self.shard).write();
-        let known = shard.durable_ids_known();
-        if known == (shard.engines().len(), shard.partitions().len()) {
-            return;
-        }
-        let (engines, partitions) = self
-            .ctx
-            .store
-            .durable_ids(&changes.engine_names, &changes.partitions);
-        for (local, durable) in engines {
-            shard.learn_durable_engine(local, durable);
-        }
-        for (local, durable) in partitions {
-            shard.learn_durable_partition(local, durable);
         }
     }
 
@@ -430,7 +411,9 @@ impl Worker {
         match written {
             Ok(()) => {
                 permit.succeeded();
-                self.learn_durable_ids(&changes);
+                let mut shard = lock.write();
+                self.ctx.store.after_commit(&mut shard, &changes);
+                drop(shard);
                 for (id, p) in &parts {
                     p.set_durable(self.shard, self.floors[*id as usize]);
                 }

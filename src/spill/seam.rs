@@ -251,6 +251,16 @@ pub struct StoredBlock {
 /// write-back writes (in the store's layout, with durable ids). Implemented by the store.
 pub trait L2Reader: Send + Sync {
     fn block(&self, shard: u16, key: u64) -> Result<Option<StoredBlock>, L2ReadError>;
+    /// [`L2Reader::block`] if it can be answered from memory (the store's memtables, block
+    /// cache and filters), without waiting on storage; `None` if it would have to. A caller
+    /// that must not block (an async worker) tries this first. By default nothing can.
+    fn block_if_cached(
+        &self,
+        _shard: u16,
+        _key: u64,
+    ) -> Option<Result<Option<StoredBlock>, L2ReadError>> {
+        None
+    }
     fn map_entry(
         &self,
         shard: u16,

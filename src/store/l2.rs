@@ -34,22 +34,46 @@ pub(super) fn l2_error(e: rocksdb::Error) -> L2Error {
     }
 }
 
-impl L2Reader for Store {
-    fn block(&self, shard: u16, key: u64) -> Result<Option<StoredBlock>, L2ReadError> {
-        self.read_fault().map_err(read_error)?;
-        let cf = self.cf(CF_BLOCKS).map_err(read_error)?;
-        let Some(v) = self
-            .db
-            .get_pinned_cf(cf, block_key(shard, key))
-            .map_err(|e| read_error(e.into()))?
-        else {
+impl Store {
+    /// Block `key` of `shard`, read with `opts`.
+    fn read_block(
+        &self,
+        shard: u16,
+        key: u64,
+        opts: &rocksdb::ReadOptions,
+    ) -> Result<Option<StoredBlock>, StoreError> {
+        self.read_fault()?;
+        let cf = self.cf(CF_BLOCKS)?;
+        let Some(v) = self.db.get_pinned_cf_opt(cf, block_key(shard, key), opts)? else {
             return Ok(None);
         };
-        let (partition, holders) = decode_block(&v).map_err(read_error)?;
+        let (partition, holders) = decode_block(&v)?;
         Ok(Some(StoredBlock {
             partition,
             holders: holders.collect(),
         }))
+    }
+}
+
+impl L2Reader for Store {
+    fn block(&self, shard: u16, key: u64) -> Result<Option<StoredBlock>, L2ReadError> {
+        self.read_block(shard, key, &rocksdb::ReadOptions::default())
+            .map_err(read_error)
+    }
+
+    fn block_if_cached(
+        &self,
+        shard: u16,
+        key: u64,
+    ) -> Option<Result<Option<StoredBlock>, L2ReadError>> {
+        // RocksDB answers from its memtables, block cache and the table readers' filters, and
+        // reports `Incomplete` where it would have had to read a file.
+        let mut memory_only = rocksdb::ReadOptions::default();
+        memory_only.set_read_tier(rocksdb::ReadTier::BlockCache);
+        match self.read_block(shard, key, &memory_only) {
+            Err(StoreError::Rocks(e)) if e.kind() == rocksdb::ErrorKind::Incomplete => None,
+            r => Some(r.map_err(read_error)),
+        }
     }
 
     fn map_entry(
@@ -116,25 +140,32 @@ pub type KeyValue = (Vec<u8>, Vec<u8>);
 pub type IdPairs = Vec<(u32, u32)>;
 
 impl Store {
-    /// The durable ids of the engines and partitions named (by shard-local index), for those
-    /// whose registry rows are written: `(local, durable)` pairs.
+    /// The durable ids of the engines and partitions named (by shard-local index; `None`: a free
+    /// slot), for those whose registry rows are written: `(local, durable)` pairs.
     pub fn durable_ids(
         &self,
-        engines: &[Arc<str>],
-        partitions: &[PartitionKey],
+        engines: &[Option<Arc<str>>],
+        partitions: &[Option<PartitionKey>],
     ) -> (IdPairs, IdPairs) {
         let reg = self.registry.lock();
         let e = engines
             .iter()
             .enumerate()
-            .filter_map(|(i, n)| Some((i as u32, reg.engines.written_id(n)?)))
+            .filter_map(|(i, n)| Some((i as u32, reg.engines.written_id(n.as_ref()?)?)))
             .collect();
         let p = partitions
             .iter()
             .enumerate()
-            .filter_map(|(i, k)| Some((i as u32, reg.partitions.written_id(k)?)))
+            .filter_map(|(i, k)| Some((i as u32, reg.partitions.written_id(k.as_ref()?)?)))
             .collect();
         (e, p)
+    }
+
+    /// Engine names and partition keys with a durable id (diagnostics and tests: after a
+    /// reopen, the registry rows on disk).
+    pub fn durable_names(&self) -> (usize, usize) {
+        let reg = self.registry.lock();
+        (reg.engines.len(), reg.partitions.len())
     }
 
     /// RocksDB's estimate of the block and engine-map rows stored (the L2 entry count).

@@ -283,6 +283,28 @@ impl Store {
             reg.partitions.load(id, decode_partition(v)?);
             Ok(())
         })?;
+        // The shard rows naming each id, which decide when it is released (see registry.rs).
+        self.load_shard_rows(TAG_SHARD_ENGINE, "engine row", &mut reg.engines)?;
+        self.load_shard_rows(TAG_SHARD_PARTITION, "partition row", &mut reg.partitions)?;
+        Ok(())
+    }
+
+    /// Counts the shard rows (`tag`: a shard's engine or partition rows) naming each of `ids`,
+    /// then frees the ids no registry row holds.
+    fn load_shard_rows<K: std::hash::Hash + Eq + Clone>(
+        &self,
+        tag: u8,
+        what: &'static str,
+        ids: &mut registry::Ids<K>,
+    ) -> Result<(), StoreError> {
+        self.scan(CF_META, &[tag], |k, _| {
+            let (Some(shard), Some(id)) = (u16_at(k, 1), u32_at(k, 3)) else {
+                return Err(corrupt(what, k));
+            };
+            ids.add_row(shard, id);
+            Ok(())
+        })?;
+        ids.loaded();
         Ok(())
     }
 

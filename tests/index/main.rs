@@ -9,6 +9,7 @@ mod block_identity;
 mod fleet;
 mod pipeline_bad_input;
 mod pipeline_durable;
+mod reclaim;
 mod semantics;
 mod spill;
 mod spill_controller;

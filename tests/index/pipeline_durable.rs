@@ -332,10 +332,19 @@ fn an_engine_silent_past_the_ttl_is_cleared_durably_once_caught_up() {
         assert_eq!(p.forget_engine("b"), Some(2));
         assert_eq!(p.forget_engine("nobody"), None);
         assert!(holders(&service).is_empty());
+        // Both are reclaimed: not listed, and their durable ids and rows are gone.
+        assert!(p.persist());
+        assert!(service.index.engines().is_empty());
+        assert_eq!(service.store.durable_names(), (0, 0));
+        // The model's block size is kept: its next engine's token lookups need no event first.
+        assert_eq!(service.index.block_size("", "m"), Some(16));
     }
     // Durable: after a restart neither comes back.
     let service = Service::open(cfg, None).unwrap();
     assert!(holders(&service).is_empty(), "{:?}", holders(&service));
+    assert!(service.index.engines().is_empty());
+    assert_eq!(service.store.durable_names(), (0, 0));
+    assert_eq!(service.index.block_size("", "m"), Some(16));
 }
 
 #[test]

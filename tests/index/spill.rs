@@ -365,7 +365,7 @@ fn shutdown_does_not_wait_for_a_failing_l2_at_the_hard_cap() {
 }
 
 /// One tiered shard (`restore_on_read` off) with change tracking, over a fresh store.
-fn tiered_shard(dir: &std::path::Path) -> (Arc<Index>, Arc<Store>) {
+pub(crate) fn tiered_shard(dir: &std::path::Path) -> (Arc<Index>, Arc<Store>) {
     tiered_shard_reading(dir, |store| store as Arc<dyn L2Reader>)
 }
 
@@ -399,17 +399,22 @@ fn tiered_shard_reading(
 
 /// Commits shard 0's changes and tells it the durable ids the commit wrote, as the pipeline
 /// does after each commit.
-fn commit_and_learn_ids(index: &Index, store: &Store) {
+pub(crate) fn commit_and_learn_ids(index: &Index, store: &Store) {
     let changes = index.shard(0).write().take_changes();
     store.commit(0, &changes, &[]).unwrap();
-    let (engines, partitions) = store.durable_ids(&changes.engine_names, &changes.partitions);
-    let mut shard = index.shard(0).write();
-    engines
-        .into_iter()
-        .for_each(|(l, d)| shard.learn_durable_engine(l, d));
-    partitions
-        .into_iter()
-        .for_each(|(l, d)| shard.learn_durable_partition(l, d));
+    store.after_commit(&mut index.shard(0).write(), &changes);
+}
+
+/// Evicts everything shard 0 holds (an L1 budget of one byte): from here on it lives in L2 only.
+pub(crate) fn evict_all(index: &Arc<Index>, store: &Arc<Store>) {
+    let mut ctl = SpillController::new(
+        ShardL1::new(index.clone(), 0),
+        StoreSink::new(store.clone()),
+        Arc::new(CircuitBreaker::new(Arc::new(ManualClock::new()))),
+        SpillSettings::for_budget(1),
+    );
+    ctl.evict();
+    assert!(index.any_spilled(), "vacuous: nothing spilled");
 }
 
 /// One tiered shard over a fresh store: traffic committed once (durable ids), then more
@@ -818,16 +823,9 @@ fn a_lookup_reads_l2_without_holding_the_shard_lock() {
     }
     commit_and_learn_ids(&index, &store);
     // Everything evicted: the queried blocks live only in L2.
-    let mut ctl = SpillController::new(
-        ShardL1::new(index.clone(), 0),
-        StoreSink::new(store.clone()),
-        Arc::new(CircuitBreaker::new(Arc::new(ManualClock::new()))),
-        SpillSettings::for_budget(1),
-    );
-    ctl.evict();
+    evict_all(&index, &store);
     let q = queries(&mut traffic, 40);
     let expected = fingerprint(&reference, &q, BLOCK_SIZE);
-    assert!(index.any_spilled(), "vacuous: nothing spilled");
 
     *gate.closed.lock() = true;
     let lookups = {
@@ -846,4 +844,64 @@ fn a_lookup_reads_l2_without_holding_the_shard_lock() {
     drop(writer);
     gate.open();
     assert_eq!(lookups.join().unwrap(), expected);
+}
+
+/// A lookup that may not wait on storage (the HTTP handler's first try, on an async worker)
+/// answers exactly as one that may, or declines: a row only in an SST block RocksDB has not
+/// cached declines; once a blocking lookup cached it, the same answer comes from memory; and
+/// blocks L2 never stored are ruled out by the filters, from memory too.
+#[test]
+fn a_memory_only_lookup_answers_as_a_blocking_one_or_declines() {
+    use crate::support::events::stored;
+    use kvindex::event::PartitionKey;
+    use kvindex::index::LookupOptions;
+    let dir = tempfile::tempdir().unwrap();
+    let (index, store) = tiered_shard(dir.path());
+    let partition = PartitionKey::new("", "m", "");
+    for (engine, first) in [("a", 0u32), ("b", 0), ("c", 64)] {
+        let chain = stored(engine, partition.clone())
+            .hashes((0..8u64).map(|i| u64::from(first) * 100 + i + 1))
+            .tokens(first..first + 32, 4)
+            .event();
+        index.apply(&chain, 1).unwrap();
+    }
+    commit_and_learn_ids(&index, &store);
+    evict_all(&index, &store);
+    store.flush().unwrap(); // the rows leave the memtable for a cold SST
+    let options = LookupOptions::default();
+    let keys = |first: u32| {
+        index.query_keys(
+            &partition,
+            &QueryBlocks::Tokens {
+                token_ids: (first..first + 32).collect(),
+                block_size: 4,
+                extras: Vec::new(),
+            },
+        )
+    };
+    let rows = |a: &kvindex::index::Answer| {
+        a.to_vec()
+            .into_iter()
+            .map(|m| (m.engine_id, m.matched_blocks))
+            .collect::<Vec<_>>()
+    };
+
+    let held = keys(0);
+    assert!(
+        index.try_lookup_keys_with(&held, &options).is_none(),
+        "a cold row must not be read on the caller's thread"
+    );
+    let blocking = index.lookup_keys_with(&held, &options);
+    assert_eq!(rows(&blocking), [("a".into(), 8), ("b".into(), 8)]);
+    let cached = index
+        .try_lookup_keys_with(&held, &options)
+        .expect("the blocking lookup left its rows in the block cache");
+    assert_eq!(rows(&cached), rows(&blocking));
+
+    let never_stored = keys(1000);
+    let none = index
+        .try_lookup_keys_with(&never_stored, &options)
+        .expect("the filters rule out absent rows from memory");
+    assert!(rows(&none).is_empty());
+    assert!(rows(&index.lookup_keys_with(&never_stored, &options)).is_empty());
 }

@@ -132,7 +132,7 @@ fn snapshot(index: &Index, queries: &[(PartitionKey, Vec<u32>)]) -> Snapshot {
         per_shard: (0..index.shard_count())
             .map(|s| {
                 let sh = index.shard(s).read();
-                (sh.blocks(), sh.memberships(), sh.partitions().len())
+                (sh.blocks(), sh.memberships(), sh.partitions().count())
             })
             .collect(),
         maps: {
@@ -141,7 +141,7 @@ fn snapshot(index: &Index, queries: &[(PartitionKey, Vec<u32>)]) -> Snapshot {
                 let sh = index.shard(s).read();
                 for e in sh.engines() {
                     for (p, n) in e.map_sizes() {
-                        let key = sh.partitions()[p as usize].key.clone();
+                        let key = sh.partition(p).key.clone();
                         maps.push((s, e.name.to_string(), key, n));
                     }
                 }
@@ -189,6 +189,7 @@ impl Feeder {
         store
             .commit(s as u16, &cs, &self.offsets())
             .expect("commit succeeds");
+        store.after_commit(&mut self.index.shard(s).write(), &cs);
         cs
     }
 }
@@ -496,7 +497,7 @@ fn full_disk_makes_commit_fail_without_touching_the_index() {
     for s in 0..SHARDS {
         let cs = f.index.shard(s).write().take_changes();
         match store.commit(s as u16, &cs, &f.offsets()) {
-            Ok(()) => {}
+            Ok(()) => store.after_commit(&mut f.index.shard(s).write(), &cs),
             Err(e) => {
                 failures += 1;
                 eprintln!("shard {s}: commit failed as expected: {e}");

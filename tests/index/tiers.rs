@@ -103,7 +103,6 @@ fn a_block_offloaded_to_cpu_stays_matched_when_the_gpu_evicts_it() {
                 let shard = index.shard(s).read();
                 shard
                     .engines()
-                    .iter()
                     .flat_map(|e| e.map_sizes().map(|(_, n)| n))
                     .collect::<Vec<_>>()
             })

@@ -70,9 +70,30 @@ impl Shard {
     }
 
     fn store(&mut self, ev: &Event, seen_us: i64) -> Result<usize, SkipReason> {
+        let (engines, partitions) = (self.engine_ids.len(), self.partition_ids.len());
         let eid = self.intern_engine(&ev.engine)?;
         self.touch(eid, seen_us);
         let pid = self.intern_partition(&ev.partition);
+        if let Some(c) = self.changes.as_deref_mut()
+            && !c.retire_partitions.is_empty()
+        {
+            c.retire_partitions.remove(&pid); // stored into: not retired
+        }
+        let stored = self.store_chain(ev, eid, pid);
+        if stored.is_err() {
+            // A skipped store leaves nothing behind, not even the names it interned.
+            if self.engine_ids.len() > engines {
+                self.retire_engine_later(eid);
+            }
+            if self.partition_ids.len() > partitions {
+                self.retire_partition_later(pid);
+            }
+        }
+        stored
+    }
+
+    /// Keys `ev`'s chain and assigns its memberships to engine `eid` in partition `pid`.
+    fn store_chain(&mut self, ev: &Event, eid: EngineIdx, pid: u32) -> Result<usize, SkipReason> {
         let n = ev.block_hashes.len();
         if let Some(parent) = ev.parent_hash.filter(|_| self.is_spilled()) {
             self.fault_in_map(eid, pid, parent.0)?;
@@ -366,8 +387,10 @@ impl Shard {
         let now = self.lru_now();
         let mut removed = 0;
         // Highest slot first so removing a slot leaves the remaining indices valid.
+        let mut left = SmallVec::<[u32; 2]>::new();
         for slot in slots.into_iter().rev() {
             let (pid, mut map) = self.engines[eid as usize].parts.swap_remove(slot);
+            left.push(pid);
             let part = &mut self.partitions[pid as usize];
             let engine = &mut self.engines[eid as usize];
             let mut changes = self.changes.as_deref_mut();
@@ -389,6 +412,13 @@ impl Shard {
                 )
                 .is_some() as usize;
             }
+        }
+        // What the clear emptied is reclaimed (see `reclaim.rs`).
+        for pid in left {
+            self.retire_partition_later(pid);
+        }
+        if self.engines[eid as usize].parts.is_empty() {
+            self.retire_engine_later(eid);
         }
         Ok(removed)
     }

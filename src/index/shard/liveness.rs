@@ -8,19 +8,26 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 
 impl Shard {
-    /// Engines holding anything that no event has reached since `cutoff_us` (kvindex clock).
-    /// Every engine counts as heard at `grace_from_us` at the latest (when the sources caught
-    /// up), so a restart or a backlog gives every engine a full grace period.
+    /// Engines that no event has reached since `cutoff_us` (kvindex clock), leaving out those
+    /// already waiting to be retired. Every engine counts as heard at `grace_from_us` at the
+    /// latest (when the sources caught up), so a restart or a backlog gives every engine a
+    /// full grace period.
     pub fn silent_engines(&self, cutoff_us: i64, grace_from_us: i64) -> Vec<Arc<str>> {
         self.engines
             .iter()
-            .filter(|e| !e.parts.is_empty() && e.heard_us.max(grace_from_us) < cutoff_us)
-            .map(|e| e.name.clone())
+            .enumerate()
+            .filter(|(i, e)| {
+                !e.is_free()
+                    && e.heard_us.max(grace_from_us) < cutoff_us
+                    && !self.retiring(*i as u32)
+            })
+            .map(|(_, e)| e.name.clone())
             .collect()
     }
 
     /// The `ALL_CLEARED` events that drop `engine` from this shard: one per (tenant, model)
-    /// it stored into (none if the shard does not know it).
+    /// it stored into (none if the shard does not know it). Then [`Shard::retire_engine`]
+    /// reclaims its slot.
     pub fn forget_events(&self, engine: &str) -> Vec<Event> {
         let Some(&eid) = self.engine_ids.get(engine) else {
             return Vec::new();

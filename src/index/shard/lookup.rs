@@ -10,8 +10,19 @@ use super::{PREFETCH_AHEAD, RawMatch, Shard};
 use crate::event::{Tier, TierSet};
 use crate::index::holders::{DenseBits, Holders};
 use crate::index::tiers::TierMix;
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::sync::atomic::Ordering::Relaxed;
+
+/// Where a lookup gets the rows of blocks only L2 holds.
+#[derive(Clone, Copy)]
+pub enum L2Access<'a> {
+    /// From the rows prefetched with the shard's lock released where they cover the block
+    /// (see `lookup_l2.rs`), else read from L2 under the lock.
+    Prefetched(Option<&'a L2Prefetch>),
+    /// Only what L2 serves from memory ([`crate::spill::L2Reader::block_if_cached`]): a row
+    /// that would wait on storage ends the walk and sets the flag, and the answer is void.
+    MemoryOnly(&'a Cell<bool>),
+}
 
 /// The set every block of the usual deployment has: GPU alone. Not counted (see [`TierMix`]).
 const GPU_ONLY: TierSet = TierSet::of(Tier::Gpu);
@@ -80,6 +91,13 @@ impl Bits {
     #[inline]
     fn take_word(&mut self, w: usize, keep: u64, d: &DenseBits, mix: &mut [TierMix]) -> u64 {
         let held = keep & d.held()[w];
+        if !d.mixed() {
+            // Every holder on GPU alone: nothing to count, one word to read.
+            self.held[w] = held;
+            self.gpu[w] = held;
+            self.cpu[w] = 0;
+            return held;
+        }
         let gpu = held & d.on(Tier::Gpu)[w];
         let cpu = held & d.on(Tier::Cpu)[w];
         let disk = held & d.on(Tier::Disk)[w];
@@ -190,19 +208,19 @@ impl Shard {
     /// first `limit` rows are ordered, and of the last one only what is kept: an answer naming
     /// a whole fleet costs a sort of the rows returned, not of every engine that matched.
     pub fn lookup_sorted(&self, keys: &[u64], out: &mut Vec<RawMatch>, limit: usize) {
-        self.lookup_sorted_with(keys, out, limit, None);
+        self.lookup_sorted_with(keys, out, limit, L2Access::Prefetched(None));
     }
 
-    /// [`Shard::lookup_sorted`], taking the L2 rows it needs from `pre` where that has them.
+    /// [`Shard::lookup_sorted`], getting the L2 rows it needs as `l2` says.
     pub fn lookup_sorted_with(
         &self,
         keys: &[u64],
         out: &mut Vec<RawMatch>,
         limit: usize,
-        pre: Option<&L2Prefetch>,
+        l2: L2Access<'_>,
     ) {
         let start = out.len();
-        self.lookup_best(keys, out, limit, pre);
+        self.lookup_best(keys, out, limit, l2);
         // `lookup_best` emits rows grouped by `matched` ascending: reversing the whole run puts the
         // groups in descending order, then each (small) group is ordered by name rank.
         let rows = &mut out[start..];
@@ -232,7 +250,7 @@ impl Shard {
     /// For each engine holding `keys[0]`: the longest run of leading `keys` it holds. Rows are
     /// appended to `out` in ascending `matched` order.
     pub fn lookup(&self, keys: &[u64], out: &mut Vec<RawMatch>) {
-        self.lookup_best(keys, out, usize::MAX, None);
+        self.lookup_best(keys, out, usize::MAX, L2Access::Prefetched(None));
     }
 
     /// [`Shard::lookup`], leaving out rows that cannot be among the best `limit`: an engine
@@ -240,20 +258,14 @@ impl Shard {
     /// beaten by each of them (they match more blocks), so its row is never emitted. A router
     /// asking for the best few of a large fleet then pays for the rows near the end of the
     /// match, not for one row per engine holding the first block.
-    fn lookup_best(
-        &self,
-        keys: &[u64],
-        out: &mut Vec<RawMatch>,
-        limit: usize,
-        pre: Option<&L2Prefetch>,
-    ) {
+    fn lookup_best(&self, keys: &[u64], out: &mut Vec<RawMatch>, limit: usize, l2: L2Access<'_>) {
         let Some((&first, _)) = keys.split_first() else {
             return;
         };
         let now = self.lru_now();
         // A block only L2 holds is decoded into a spare (see `resolve`).
         let (mut spare0, mut spare) = (Holders::default(), Holders::default());
-        let Some(h0) = self.resolve(first, now, &mut spare0, pre) else {
+        let Some(h0) = self.resolve(first, now, &mut spare0, l2) else {
             return;
         };
         let words = self.engines.len().div_ceil(64).max(1);
@@ -272,7 +284,7 @@ impl Shard {
                 if let Some(&ahead) = keys.get(i + PREFETCH_AHEAD) {
                     self.table.prefetch(ahead);
                 }
-                let Some(h) = self.resolve(*key, now, &mut spare, pre) else {
+                let Some(h) = self.resolve(*key, now, &mut spare, l2) else {
                     emit(active, None, i as u32, mix, out);
                     return;
                 };
@@ -291,15 +303,14 @@ impl Shard {
     }
 
     /// The holders of block `key`: L1's (stamping the entry as used at `now`), else L2's
-    /// decoded into `spare` when the shard has spilled to L2 (from `pre` where it has the row,
-    /// see `lookup_l2.rs`).
+    /// decoded into `spare` when the shard has spilled to L2, as `l2` says.
     #[inline]
     fn resolve<'a>(
         &'a self,
         key: u64,
         now: u32,
         spare: &'a mut Holders,
-        pre: Option<&L2Prefetch>,
+        l2: L2Access<'_>,
     ) -> Option<&'a Holders> {
         if let Some(b) = self.table.blocks.get(key) {
             if now != 0 && b.used.load(Relaxed) != now {
@@ -310,6 +321,16 @@ impl Shard {
         if !self.is_spilled() {
             return None;
         }
+        let pre = match l2 {
+            L2Access::Prefetched(pre) => pre,
+            L2Access::MemoryOnly(missed) => {
+                let Some(found) = self.read_l2_cached_for_lookup(key, spare) else {
+                    missed.set(true);
+                    return None;
+                };
+                return found.then_some(&*spare);
+            }
+        };
         match self.prefetched(pre, key) {
             Some(row) => {
                 self.take_l2_row(key, row?, spare);

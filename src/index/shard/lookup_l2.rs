@@ -2,8 +2,10 @@
 //!
 //! A lookup of a spilled shard may need blocks only L2 holds. Reading them under the shard's
 //! read lock would let one slow RocksDB read stall the shard's writer, and since the lock is
-//! writer-fair, every later lookup of the shard would queue behind that writer. So a lookup
-//! that needs L2 runs in three steps:
+//! writer-fair, every later lookup of the shard would queue behind that writer. A lookup
+//! first tries with reads RocksDB serves from memory only, under the lock as the walk goes
+//! ([`super::L2Access::MemoryOnly`]: as quick as L1). One that would wait on storage runs
+//! again, where blocking is allowed, in three steps:
 //! 1. under the read lock, [`Shard::l2_plan`] lists the query's blocks L1 lacks;
 //! 2. under no lock, [`L2Plan::read`] reads their rows in query order, up to the first row L2
 //!    lacks too (no engine holds a prefix past a block nobody holds);
@@ -73,9 +75,16 @@ pub(super) fn read_counted(
     stats: &Arc<ReadThroughStats>,
     key: u64,
 ) -> Result<Option<StoredBlock>, L2ReadError> {
+    count_read(stats, l2.block(shard, key))
+}
+
+/// Counts block read `r` in `stats`.
+pub(super) fn count_read(
+    stats: &ReadThroughStats,
+    r: Result<Option<StoredBlock>, L2ReadError>,
+) -> Result<Option<StoredBlock>, L2ReadError> {
     use std::sync::atomic::Ordering::Relaxed;
     stats.l2_reads.fetch_add(1, Relaxed);
-    let r = l2.block(shard, key);
     match &r {
         Ok(Some(_)) => {
             stats.l2_hits.fetch_add(1, Relaxed);

@@ -14,8 +14,10 @@
 //! - `persist.rs`: change tracking for commits, and the restore calls of a reload;
 //! - `spill.rs`: reading through to L2 (faults, restores, durable ids);
 //! - `evict.rs`: what the spill controller calls (costs, coldest entries, conditional removal);
-//! - `liveness.rs`: which engines have gone silent, and forgetting an engine.
+//! - `liveness.rs`: which engines have gone silent, and forgetting an engine;
+//! - `reclaim.rs`: retiring engines and partitions that emptied, and reusing their slots.
 mod liveness;
+mod reclaim;
 
 mod apply;
 mod blocks;
@@ -26,6 +28,7 @@ mod persist;
 mod spill;
 
 pub use evict::{BLOCK_ENTRY_BYTES, DirtyCursor, L1Key, MAP_ENTRY_BYTES};
+pub use lookup::L2Access;
 pub use lookup_l2::{L2Plan, L2Prefetch};
 pub use spill::{ReadThroughSettings, ReadThroughStats};
 
@@ -105,6 +108,8 @@ pub struct PartitionState {
     pub seed: u64,
     pub blocks: u64,
     pub memberships: u64,
+    /// The slot is free (its partition was retired; see `reclaim.rs`).
+    pub free: bool,
 }
 
 /// One entry of the block table: the block's holders, and when it was last used.
@@ -147,6 +152,10 @@ pub struct EngineState {
 }
 
 impl EngineState {
+    /// The slot is free (its engine was retired; see `reclaim.rs`): live engines have names.
+    pub fn is_free(&self) -> bool {
+        self.name.is_empty()
+    }
     fn part(&self, pid: u32) -> Option<&KeyTable<MapEntry>> {
         self.parts.iter().find(|(p, _)| *p == pid).map(|(_, m)| m)
     }
@@ -177,6 +186,10 @@ pub struct Shard {
     /// Engine names by id, shared with lookup answers (one refcount per answer, not per row);
     /// copied on write when an engine joins while an answer still holds the old list.
     names: Arc<Vec<Arc<str>>>,
+    /// Slots of retired engines and partitions, reused before new ones are appended, so the
+    /// tables stay as large as the most engines and partitions live at once.
+    free_engines: Vec<EngineIdx>,
+    free_partitions: Vec<u32>,
     /// Reused buffer for a chain's block keys.
     key_buf: Vec<u64>,
     /// Rows changed since the store last took them; `None` unless the service persists the
@@ -202,6 +215,8 @@ impl Shard {
             partition_ids: hashbrown::HashMap::new(),
             name_rank: Vec::new(),
             names: Arc::new(Vec::new()),
+            free_engines: Vec::new(),
+            free_partitions: Vec::new(),
             key_buf: Vec::new(),
             changes: None,
             spill: None,
@@ -218,6 +233,10 @@ impl Shard {
         // (a new map, a clear) comes with an event of it: marking here covers both.
         if let Some(c) = self.changes.as_deref_mut() {
             c.engines.insert(eid);
+            // An engine heard from is not retired (see `reclaim.rs`).
+            if !c.retire_engines.is_empty() {
+                c.retire_engines.remove(&eid);
+            }
         }
     }
 
@@ -225,16 +244,29 @@ impl Shard {
         if let Some(&id) = self.engine_ids.get(name) {
             return Ok(id);
         }
-        if self.engines.len() as u32 >= MAX_ENGINES {
-            return Err(SkipReason::TooManyEngines);
-        }
-        let id = self.engines.len() as EngineIdx;
-        self.engines.push(EngineState {
+        debug_assert!(!name.is_empty(), "events name their engine");
+        let state = EngineState {
             name: Arc::from(name),
             ..EngineState::default()
-        });
+        };
+        let id = match self.free_engines.pop() {
+            Some(id) => {
+                self.engines[id as usize] = state;
+                Arc::make_mut(&mut self.names)[id as usize] =
+                    self.engines[id as usize].name.clone();
+                id
+            }
+            None if self.engines.len() as u32 >= MAX_ENGINES => {
+                return Err(SkipReason::TooManyEngines);
+            }
+            None => {
+                self.engines.push(state);
+                let id = (self.engines.len() - 1) as EngineIdx;
+                Arc::make_mut(&mut self.names).push(self.engines[id as usize].name.clone());
+                id
+            }
+        };
         self.engine_ids.insert(name.to_string(), id);
-        Arc::make_mut(&mut self.names).push(self.engines[id as usize].name.clone());
         self.rank_engines();
         Ok(id)
     }
@@ -259,13 +291,21 @@ impl Shard {
         if let Some(&id) = self.partition_ids.get(key) {
             return id;
         }
-        let id = self.partitions.len() as u32;
-        self.partitions.push(PartitionState {
+        let state = PartitionState {
             key: key.clone(),
             seed: hash::partition_seed(self.seed, key),
-            blocks: 0,
-            memberships: 0,
-        });
+            ..PartitionState::default()
+        };
+        let id = match self.free_partitions.pop() {
+            Some(id) => {
+                self.partitions[id as usize] = state;
+                id
+            }
+            None => {
+                self.partitions.push(state);
+                (self.partitions.len() - 1) as u32
+            }
+        };
         self.partition_ids.insert(key.clone(), id);
         if let Some(c) = self.changes.as_deref_mut() {
             c.partitions.push(id);
@@ -300,11 +340,29 @@ impl Shard {
     pub fn engine_names(&self) -> &Arc<Vec<Arc<str>>> {
         &self.names
     }
-    pub fn engines(&self) -> &[EngineState] {
-        &self.engines
+    /// The shard's engines, leaving out free slots and engines retired at the next take.
+    pub fn engines(&self) -> impl Iterator<Item = &EngineState> + '_ {
+        self.engines
+            .iter()
+            .enumerate()
+            .filter(|(i, e)| !e.is_free() && !self.retiring(*i as EngineIdx))
+            .map(|(_, e)| e)
     }
-    pub fn partitions(&self) -> &[PartitionState] {
-        &self.partitions
+    /// The shard's partitions, leaving out free slots and partitions retired at the next take.
+    pub fn partitions(&self) -> impl Iterator<Item = &PartitionState> + '_ {
+        self.partitions
+            .iter()
+            .enumerate()
+            .filter(|(i, p)| !p.free && !self.retiring_partition(*i as u32))
+            .map(|(_, p)| p)
+    }
+    /// Partition `pid` (a shard-local id, as [`EngineState::partition_ids`] gives them).
+    pub fn partition(&self, pid: u32) -> &PartitionState {
+        &self.partitions[pid as usize]
+    }
+    /// Engine and partition slots, live and free (the tables' sizes; tests and diagnostics).
+    pub fn slots(&self) -> (usize, usize) {
+        (self.engines.len(), self.partitions.len())
     }
     /// Distinct blocks, in L1 and L2 alike.
     pub fn blocks(&self) -> u64 {

@@ -7,6 +7,7 @@ use crate::event::PartitionKey;
 use crate::event::TierSet;
 use crate::index::changes::{BlockChange, ChangeSet, EngineChange, MapChange};
 use crate::index::holders::EngineIdx;
+use std::sync::Arc;
 
 /// Durability: change tracking for the store, and the restore API that rebuilds a shard from
 /// stored rows. Restoring records no changes (the rows are already durable).
@@ -33,17 +34,43 @@ impl Shard {
     /// commit the result with the source offsets applied so far.
     pub fn take_changes(&mut self) -> ChangeSet {
         self.advance_l2_epoch();
-        let Some(c) = self.changes.as_deref_mut() else {
+        if self.changes.is_none() {
             return ChangeSet::default();
-        };
+        }
+        let (retired_engines, retired_partitions) = self.take_retired();
+        let mut engine_names: Vec<Option<Arc<str>>> = self
+            .engines
+            .iter()
+            .map(|e| (!e.is_free()).then(|| e.name.clone()))
+            .collect();
+        let mut partitions: Vec<Option<PartitionKey>> = self
+            .partitions
+            .iter()
+            .map(|p| (!p.free).then(|| p.key.clone()))
+            .collect();
+        for &(e, _) in &retired_engines {
+            engine_names[e as usize] = None;
+        }
+        for &(p, _) in &retired_partitions {
+            partitions[p as usize] = None;
+        }
+        let c = self.changes.as_deref_mut().expect("tracking");
         let mut out = ChangeSet {
-            engine_names: self.engines.iter().map(|e| e.name.clone()).collect(),
-            partitions: self.partitions.iter().map(|p| p.key.clone()).collect(),
-            new_partitions: std::mem::take(&mut c.partitions),
+            new_partitions: std::mem::take(&mut c.partitions)
+                .into_iter()
+                .filter(|&p| partitions[p as usize].is_some())
+                .collect(),
+            engine_names,
+            partitions,
+            retired_engines,
+            retired_partitions,
             ..ChangeSet::default()
         };
         out.engines.reserve(c.engines.len());
         for eid in c.engines.drain() {
+            if out.engine_names[eid as usize].is_none() {
+                continue; // retired: its row goes instead
+            }
             let e = &self.engines[eid as usize];
             out.engines.push(EngineChange {
                 engine: eid,
@@ -102,6 +129,15 @@ impl Shard {
             }
         }
         c.engines.extend(changes.engines.iter().map(|e| e.engine));
+        c.retire_engines
+            .extend(changes.retired_engines.iter().map(|(e, _)| *e));
+        for &(p, _) in &changes.retired_partitions {
+            // Its row may never have been written: should it fill again, the next take writes it.
+            c.retire_partitions.insert(p);
+            if !c.partitions.contains(&p) {
+                c.partitions.push(p);
+            }
+        }
         c.cleared.extend(changes.cleared.iter().copied());
         c.maps
             .extend(changes.maps.iter().map(|m| (m.engine, m.partition, m.hash)));

@@ -20,7 +20,7 @@
 //! a block with a change pending (removed since the last commit) is never restored.
 
 use super::evict::BLOCK_ENTRY_BYTES;
-use super::lookup_l2::read_counted;
+use super::lookup_l2::{count_read, read_counted};
 use super::{Block, MapEntry, Shard, SkipReason};
 use crate::event::TierSet;
 use crate::index::holders::{DenseBits, EngineIdx, Holders, should_be_dense};
@@ -76,6 +76,16 @@ fn learn(to: &mut Vec<u32>, from: &mut Vec<u32>, local: u32, durable: u32) {
     set(from, durable, local);
 }
 
+/// Undoes [`learn`] for `local`, if it has a durable id.
+fn unlearn(to: &mut [u32], from: &mut [u32], local: u32) {
+    if let Some(durable) = get(to, local) {
+        to[local as usize] = NO_ID;
+        if get(from, durable) == Some(local) {
+            from[durable as usize] = NO_ID;
+        }
+    }
+}
+
 fn get(v: &[u32], i: u32) -> Option<u32> {
     v.get(i as usize).copied().filter(|&x| x != NO_ID)
 }
@@ -89,6 +99,18 @@ impl DurableIds {
     }
     pub(super) fn partition(&self, local: u32) -> Option<u32> {
         get(&self.partition_durable, local)
+    }
+    /// Forgets engine slot `local`'s durable id (its slot was retired).
+    pub(super) fn forget_engine(&mut self, local: EngineIdx) {
+        unlearn(&mut self.engine_durable, &mut self.engine_local, local);
+    }
+    /// Forgets partition slot `local`'s durable id (its slot was retired).
+    pub(super) fn forget_partition(&mut self, local: u32) {
+        unlearn(
+            &mut self.partition_durable,
+            &mut self.partition_local,
+            local,
+        );
     }
 }
 
@@ -168,14 +190,18 @@ impl Shard {
         );
     }
 
-    /// Local engines and partitions with no durable id yet (what the worker asks the store
-    /// about after a commit).
-    pub fn durable_ids_known(&self) -> (usize, usize) {
-        let count = |v: &[u32], n: usize| (0..n as u32).filter(|&i| get(v, i).is_some()).count();
-        (
-            count(&self.durable.engine_durable, self.engines.len()),
-            count(&self.durable.partition_durable, self.partitions.len()),
-        )
+    /// Whether a live engine or partition has no durable id yet (what the worker asks the
+    /// store about after a commit).
+    pub fn lacks_durable_ids(&self) -> bool {
+        let d = &self.durable;
+        let engine = |(i, e): (usize, &super::EngineState)| {
+            !e.is_free() && get(&d.engine_durable, i as u32).is_none()
+        };
+        let partition = |(i, p): (usize, &super::PartitionState)| {
+            !p.free && get(&d.partition_durable, i as u32).is_none()
+        };
+        self.engines.iter().enumerate().any(engine)
+            || self.partitions.iter().enumerate().any(partition)
     }
 
     /// Counts one membership of a row a bounded load leaves in L2 (counters are L1 ∪ L2).
@@ -240,6 +266,22 @@ impl Shard {
                 q.push(key);
             }
         }
+    }
+
+    /// [`Shard::read_l2_for_lookup`] from memory only (see [`L2Reader::block_if_cached`]):
+    /// `None` if L2's answer would have to wait on storage.
+    pub(super) fn read_l2_cached_for_lookup(&self, key: u64, out: &mut Holders) -> Option<bool> {
+        let Some(t) = self.spill.as_deref() else {
+            return Some(false);
+        };
+        if self.block_pending(key) {
+            return Some(false);
+        }
+        let Ok(Some(row)) = count_read(&t.stats, t.l2.block_if_cached(t.shard, key)?) else {
+            return Some(false);
+        };
+        self.take_l2_row(key, &row, out);
+        Some(true)
     }
 
     fn read_block(&self, t: &SpillState, key: u64) -> Result<Option<StoredBlock>, L2ReadError> {
