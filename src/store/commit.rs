@@ -245,7 +245,8 @@ impl RowChanges {
     ) -> RowChanges {
         let mut c = RowChanges::default();
         for id in written {
-            if !ids.has_row(shard, id) && !c.joined.contains(&id) {
+            // An id listed twice is counted once (`Ids::add_row` records each row once).
+            if !ids.has_row(shard, id) {
                 c.joined.push(id);
             }
         }

@@ -241,17 +241,36 @@ impl Shard {
     /// restore. False if L2 has no such row (or the read failed: a lookup degrades to a
     /// shorter match rather than failing).
     pub(super) fn read_l2_for_lookup(&self, key: u64, out: &mut Holders) -> bool {
+        self.lookup_l2_row(key, out, |t| Some(self.read_block(t, key)))
+            .unwrap_or(false)
+    }
+
+    /// [`Shard::read_l2_for_lookup`] from memory only (see [`L2Reader::block_if_cached`]):
+    /// `None` if L2's answer would have to wait on storage.
+    pub(super) fn read_l2_cached_for_lookup(&self, key: u64, out: &mut Holders) -> Option<bool> {
+        self.lookup_l2_row(key, out, |t| {
+            Some(count_read(&t.stats, t.l2.block_if_cached(t.shard, key)?))
+        })
+    }
+
+    /// Block `key`'s row as `read` gets it (`None`: it cannot), decoded into `out`.
+    fn lookup_l2_row(
+        &self,
+        key: u64,
+        out: &mut Holders,
+        read: impl FnOnce(&SpillState) -> Option<Result<Option<StoredBlock>, L2ReadError>>,
+    ) -> Option<bool> {
         let Some(t) = self.spill.as_deref() else {
-            return false;
+            return Some(false);
         };
         if self.block_pending(key) {
-            return false;
+            return Some(false);
         }
-        let Ok(Some(row)) = self.read_block(t, key) else {
-            return false;
+        let Ok(Some(row)) = read(t)? else {
+            return Some(false);
         };
         self.take_l2_row(key, &row, out);
-        true
+        Some(true)
     }
 
     /// A lookup's use of L2's `row` of block `key`: its holders into `out` (local ids), and
@@ -266,22 +285,6 @@ impl Shard {
                 q.push(key);
             }
         }
-    }
-
-    /// [`Shard::read_l2_for_lookup`] from memory only (see [`L2Reader::block_if_cached`]):
-    /// `None` if L2's answer would have to wait on storage.
-    pub(super) fn read_l2_cached_for_lookup(&self, key: u64, out: &mut Holders) -> Option<bool> {
-        let Some(t) = self.spill.as_deref() else {
-            return Some(false);
-        };
-        if self.block_pending(key) {
-            return Some(false);
-        }
-        let Ok(Some(row)) = count_read(&t.stats, t.l2.block_if_cached(t.shard, key)?) else {
-            return Some(false);
-        };
-        self.take_l2_row(key, &row, out);
-        Some(true)
     }
 
     fn read_block(&self, t: &SpillState, key: u64) -> Result<Option<StoredBlock>, L2ReadError> {
