@@ -5,9 +5,11 @@
 //! Start order matters for warm restarts:
 //! 1. open RocksDB (`<data_dir>/index`), checking shard count and seed;
 //! 2. with the embedded broker, forget its old offsets (its log is new on every start);
-//! 3. load every shard's rows in parallel and restore each shard's offsets, so lookups are
-//!    answered from durable state at once, however long the topic's history is;
-//! 4. start the shard workers, then the source, which resumes from the stored offsets.
+//! 3. restore every shard's partitions and engines and put the store behind it as L2, and
+//!    restore each shard's offsets: lookups are answered from durable state at once (reading
+//!    L2), however large the index and however long the topic's history;
+//! 4. start the shard workers, which first load their shard's rows into L1 in the background
+//!    (`pipeline/warm_up.rs`), then the source, which resumes from the stored offsets.
 
 use crate::config::{Config, SourceKind};
 use crate::event::DecodeSettings;
@@ -15,12 +17,12 @@ use crate::index::Index;
 use crate::index::IndexSettings;
 use crate::ingest::{Ingest, IngestContext, SourceReport};
 use crate::metrics::Metrics;
-use crate::pipeline::{CommitSettings, Liveness, Pipeline, Progress, Spill};
+use crate::pipeline::{CommitSettings, Liveness, Pipeline, Progress, Spill, WarmUpFailed};
 use crate::source::{
     Checkpoints, EmbeddedBroker, KafkaSettings, NatsSettings, SourceError, SourceSpec, kafka,
 };
 use crate::spill::{Clock, SystemClock};
-use crate::store::{LoadStats, Store, StoreError, StoreSettings};
+use crate::store::{LoadStats, ShardLoad, Store, StoreError, StoreSettings};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
@@ -57,7 +59,8 @@ pub struct Service {
     /// The bounded L1's write-back to the store.
     pub spill: Arc<Spill>,
     pub ready: Arc<AtomicBool>,
-    /// What was loaded from disk at start, and how long it took.
+    /// What was restored before the service answers (partitions and engines; the rows follow
+    /// in the background: [`Service::wait_warm`]), and how long opening took.
     pub loaded: LoadStats,
     pub load_time: Duration,
 }
@@ -127,7 +130,7 @@ impl Service {
         index_config.shards = store.shards() as usize;
         let index = Arc::new(Index::new(index_config));
         let spill = Arc::new(Spill::new(&config, index.clone(), store.clone(), clock));
-        let loaded = load(&store, &index, &spill)?;
+        let (loads, loaded) = begin_load(&store, &index, &spill)?;
         for (tenant, model, size) in store.block_sizes()? {
             index.pin_block_size(&tenant, &model, size);
         }
@@ -153,17 +156,16 @@ impl Service {
                 ttl: config.index.engine_ttl(),
                 ready: ready.clone(),
             },
+            loads,
         ));
         let load_time = started.elapsed();
         tracing::info!(
             dir = %store.path().display(),
             shards = index.shard_count(),
-            blocks = loaded.blocks,
-            memberships = loaded.memberships,
             engines = loaded.engines,
-            left_in_l2 = loaded.left_in_l2,
-            load_ms = load_time.as_millis() as u64,
-            "index loaded from disk"
+            partitions = loaded.partitions,
+            open_ms = load_time.as_millis() as u64,
+            "index opened from disk; its rows load into L1 in the background"
         );
         Ok(Service {
             config,
@@ -176,6 +178,12 @@ impl Service {
             loaded,
             load_time,
         })
+    }
+
+    /// Blocks until every shard's rows are loaded (see `pipeline/warm_up.rs`); the totals
+    /// of the whole load, or why a shard could not be loaded.
+    pub fn wait_warm(&self) -> Result<LoadStats, WarmUpFailed> {
+        self.pipeline.warm_up().wait()
     }
 
     /// Starts the ingest loop for `spec`, resuming from the store's offsets.
@@ -232,45 +240,25 @@ impl Drop for Service {
     }
 }
 
-/// Loads every shard from the store in parallel, each up to its share of the L1 budget, puts
-/// the store behind it as L2, then turns change tracking on.
-fn load(store: &Store, index: &Index, spill: &Spill) -> Result<LoadStats, StoreError> {
+/// Step 1 of every shard's load (partitions and engines; see `store/load.rs`), each shard put
+/// behind the store as a spilled L1, so lookups read through to L2 until its worker has
+/// loaded the rest (`pipeline/warm_up.rs`). Returns the loads to finish and their totals.
+fn begin_load(
+    store: &Store,
+    index: &Index,
+    spill: &Spill,
+) -> Result<(Vec<ShardLoad>, LoadStats), StoreError> {
     let budget = spill.load_budget();
-    let results: Vec<Result<LoadStats, StoreError>> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..index.shard_count())
-            .map(|shard| {
-                s.spawn(move || {
-                    let mut guard = index.shard(shard).write();
-                    let stats = store.load_shard_bounded(shard as u16, &mut guard, budget)?;
-                    spill.attach(&mut guard, shard, stats.left_in_l2 > 0);
-                    guard.enable_change_tracking();
-                    Ok(stats)
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join().unwrap_or_else(|_| {
-                    Err(StoreError::Corrupt {
-                        what: "shard load",
-                        detail: "a loader thread panicked".into(),
-                    })
-                })
-            })
-            .collect()
-    });
+    let mut loads = Vec::with_capacity(index.shard_count());
     let mut total = LoadStats::default();
-    for r in results {
-        let s = r?;
-        total.partitions += s.partitions;
-        total.engines += s.engines;
-        total.map_entries += s.map_entries;
-        total.blocks += s.blocks;
-        total.memberships += s.memberships;
-        total.left_in_l2 += s.left_in_l2;
+    for shard in 0..index.shard_count() {
+        let mut guard = index.shard(shard).write();
+        let load = store.begin_load(shard as u16, &mut guard, budget)?;
+        spill.attach(&mut guard, shard, true);
+        total.add(load.stats());
+        loads.push(load);
     }
-    Ok(total)
+    Ok((loads, total))
 }
 
 /// The configured source: an embedded broker (started here; keep it alive as long as the

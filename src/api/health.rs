@@ -17,13 +17,20 @@ pub async fn healthz() -> Json<Value> {
     Json(json!({ "status": "ok" }))
 }
 
-/// 200 `{"ready": true}` once `state.ready` is set; before that 503 with a `reason` and, when
-/// there is a source, its `lag`.
+/// 200 `{"ready": true}` once `state.ready` is set (sources caught up, every shard loaded);
+/// before that 503 with a `reason`, the `warm_up` while shards load, and, when there is a
+/// source, its `lag`.
 pub async fn readyz(State(state): State<AppState>) -> Response {
     if state.ready.load(Acquire) {
         return Json(json!({ "ready": true })).into_response();
     }
     let mut body = json!({ "ready": false, "reason": "sources have not caught up yet" });
+    if let Some(warm_up) = state.pipeline.as_ref().map(|p| p.warm_up())
+        && !warm_up.is_done()
+    {
+        body["reason"] = "the index is loading from disk (lookups are answered meanwhile)".into();
+        body["warm_up"] = serde_json::to_value(warm_up.report()).unwrap_or_default();
+    }
     if let Some(sources) = &state.sources {
         body["lag"] = sources.source_status().lag.into();
     }

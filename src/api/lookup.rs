@@ -48,16 +48,27 @@ pub async fn lookup(
 /// a lookup over HTTP (a third of the server's CPU under `kvindex bench http`). Strings take
 /// one scan for bytes that need escaping and are copied whole when none does (the usual case).
 fn render(a: &Answered) -> Vec<u8> {
+    let mut out = Vec::with_capacity(rendered_size_hint(a));
+    render_into(a, &mut out);
+    out
+}
+
+/// About how many bytes [`render`] writes for `a`.
+pub(super) fn rendered_size_hint(a: &Answered) -> usize {
     const ROW_BYTES: usize = 96;
+    160 + a.partition.model.len() + a.answer.len() * ROW_BYTES
+}
+
+/// [`render`], appending to `out`.
+pub(super) fn render_into(a: &Answered, out: &mut Vec<u8>) {
     let p = &a.partition;
-    let mut out = Vec::with_capacity(160 + p.model.len() + a.answer.len() * ROW_BYTES);
     let mut num = itoa::Buffer::new();
     out.extend_from_slice(b"{\"model\":");
-    push_json_str(&mut out, &p.model);
+    push_json_str(out, &p.model);
     out.extend_from_slice(b",\"tenant\":");
-    push_json_str(&mut out, &p.tenant);
+    push_json_str(out, &p.tenant);
     out.extend_from_slice(b",\"adapter\":");
-    push_json_str(&mut out, &p.adapter);
+    push_json_str(out, &p.adapter);
     out.extend_from_slice(b",\"query_blocks\":");
     out.extend_from_slice(num.format(a.query_blocks).as_bytes());
     out.extend_from_slice(b",\"block_size\":");
@@ -71,7 +82,7 @@ fn render(a: &Answered) -> Vec<u8> {
             out.push(b',');
         }
         out.extend_from_slice(b"{\"engine_id\":");
-        push_json_str(&mut out, m.engine_id);
+        push_json_str(out, m.engine_id);
         out.extend_from_slice(b",\"matched_blocks\":");
         out.extend_from_slice(num.format(m.matched_blocks).as_bytes());
         out.extend_from_slice(b",\"matched_tokens\":");
@@ -103,12 +114,11 @@ fn render(a: &Answered) -> Vec<u8> {
         out.push(b'}');
     }
     out.extend_from_slice(b"]}");
-    out
 }
 
 /// Appends `s` as a JSON string literal (RFC 8259: `"` and `\` escaped, control characters
 /// as `\u00XX` or their short forms; everything else, UTF-8 included, as is).
-fn push_json_str(out: &mut Vec<u8>, s: &str) {
+pub(super) fn push_json_str(out: &mut Vec<u8>, s: &str) {
     out.push(b'"');
     let bytes = s.as_bytes();
     let mut start = 0;
@@ -141,7 +151,7 @@ fn push_json_str(out: &mut Vec<u8>, s: &str) {
 }
 
 /// A lookup answered, before serialization.
-struct Answered {
+pub(super) struct Answered {
     partition: crate::event::PartitionKey,
     query_blocks: usize,
     block_size: Option<u32>,
@@ -149,7 +159,7 @@ struct Answered {
 }
 
 /// A lookup parsed, its block keys computed.
-struct Prepared {
+pub(super) struct Prepared {
     partition: crate::event::PartitionKey,
     block_size: Option<u32>,
     keys: Vec<u64>,
@@ -161,34 +171,69 @@ struct Prepared {
 /// case, spilled or not: RocksDB's filters say "absent" from memory, and hot rows are in its
 /// block cache), else on the blocking pool, where a read may wait on the disk.
 async fn answer(state: &AppState, query: Prepared) -> Result<Answered, ApiError> {
-    let Prepared {
-        partition,
-        block_size,
-        keys,
-        options,
-        start,
-    } = query;
-    let query_blocks = keys.len();
-    let answer = match state.index.try_lookup_keys_with(&keys, &options) {
-        Some(answer) => answer,
-        None => {
+    match query.try_answer(state) {
+        Attempt::Answered(answered) => Ok(answered),
+        Attempt::Declined(query) => {
             let index = state.index.clone();
-            tokio::task::spawn_blocking(move || index.lookup_keys_with(&keys, &options))
+            let answered = tokio::task::spawn_blocking(move || query.answer_blocking(&index))
                 .await
-                .map_err(|e| ApiError::Unavailable(format!("lookup failed: {e}")))?
+                .map_err(|e| ApiError::Unavailable(format!("lookup failed: {e}")))?;
+            state.metrics.observe_lookup(answered.1);
+            Ok(answered.0)
         }
-    };
-    state.metrics.observe_lookup(start.elapsed().as_secs_f64());
-    Ok(Answered {
-        partition,
-        query_blocks,
-        block_size,
-        answer,
-    })
+    }
+}
+
+/// What [`Prepared::try_answer`] did.
+pub(super) enum Attempt {
+    Answered(Answered),
+    /// An L2 read would wait on storage: answer it with [`Prepared::answer_blocking`] where
+    /// blocking is allowed.
+    Declined(Prepared),
+}
+
+impl Prepared {
+    /// The answer if no L2 read it needs waits on storage; else the query back.
+    pub(super) fn try_answer(self, state: &AppState) -> Attempt {
+        match state.index.try_lookup_keys_with(&self.keys, &self.options) {
+            Some(answer) => {
+                state
+                    .metrics
+                    .observe_lookup(self.start.elapsed().as_secs_f64());
+                Attempt::Answered(self.answered(answer))
+            }
+            None => Attempt::Declined(self),
+        }
+    }
+
+    /// The answer, reading L2 from storage where it must (blocking), and the seconds it took
+    /// since the query was parsed (for the lookup latency histogram).
+    pub(super) fn answer_blocking(self, index: &crate::index::Index) -> (Answered, f64) {
+        let answer = index.lookup_keys_with(&self.keys, &self.options);
+        let took = self.start.elapsed().as_secs_f64();
+        (self.answered(answer), took)
+    }
+
+    fn answered(self, answer: crate::index::Answer) -> Answered {
+        Answered {
+            partition: self.partition,
+            query_blocks: self.keys.len(),
+            block_size: self.block_size,
+            answer,
+        }
+    }
 }
 
 fn prepare(state: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Prepared, ApiError> {
-    let body = body.map_err(|rejection| {
+    prepare_query(state, &read_body(state, body)?)
+}
+
+/// The request body, or the error that names why it could not be read.
+pub(super) fn read_body(
+    state: &AppState,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Bytes, ApiError> {
+    body.map_err(|rejection| {
         if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
             ApiError::PayloadTooLarge {
                 limit: state.max_body_bytes,
@@ -199,9 +244,12 @@ fn prepare(state: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Prep
                 rejection.body_text()
             ))
         }
-    })?;
-    let req = parse_lookup(&body)?;
-    drop(body);
+    })
+}
+
+/// One lookup body parsed and validated, its block keys computed.
+pub(super) fn prepare_query(state: &AppState, body: &[u8]) -> Result<Prepared, ApiError> {
+    let req = parse_lookup(body)?;
     let p = &req.partition;
     let learned = || state.index.block_size(&p.tenant, &p.model);
     let (blocks, block_size) = match req.query {

@@ -9,6 +9,7 @@ pub mod error;
 pub mod health;
 pub mod limits;
 pub mod lookup;
+pub mod lookup_batch;
 pub mod request;
 pub mod sidecar;
 pub mod stats;
@@ -46,6 +47,7 @@ pub const DEFAULT_BLOCK_SIZE: u32 = 0;
 /// served and that the OpenAPI document lists exactly these.
 pub const ROUTES: &[(&str, &str)] = &[
     ("POST", "/v1/lookup"),
+    ("POST", "/v1/lookup/batch"),
     ("GET", "/v1/engines"),
     ("DELETE", "/v1/engines/{id}"),
     ("GET", "/v1/stats"),
@@ -167,6 +169,7 @@ pub fn router_with_reads(state: AppState, extra: Router<AppState>) -> Router {
 fn read_routes() -> Router<AppState> {
     Router::new()
         .route("/v1/lookup", post(lookup::lookup))
+        .route("/v1/lookup/batch", post(lookup_batch::lookup_batch))
         .route("/v1/engines", get(stats::engines))
         .route("/v1/stats", get(stats::stats))
         .route("/metrics", get(health::metrics))

@@ -8,6 +8,7 @@ use crate::bridge::StreamReport;
 use crate::event::{PartitionKey, Tier, engine_id};
 use crate::index::{EngineInfo, PinnedSize};
 use crate::ingest::SourceStatus;
+use crate::pipeline::WarmUpReport;
 use crate::spill::SpillStats;
 use axum::Json;
 use axum::extract::rejection::QueryRejection;
@@ -264,6 +265,10 @@ struct StatsResponse<'a> {
     /// One row per bridge stream (engine and rank), when a bridge runs here.
     #[serde(skip_serializing_if = "Option::is_none")]
     bridge: Option<Vec<StreamReport>>,
+    /// The load of L1 after a restart (absent without shard workers). The `index` counters
+    /// are exact once `done`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    warm_up: Option<WarmUpReport>,
 }
 
 pub async fn stats(State(state): State<AppState>) -> Response {
@@ -303,6 +308,7 @@ pub async fn stats(State(state): State<AppState>) -> Response {
         sources: state.sources.as_ref().map(|s| s.source_status()),
         writeback: state.spill.as_ref().map(|s| s.stats()),
         bridge: state.bridge.as_ref().map(|b| b.report()),
+        warm_up: state.pipeline.as_ref().map(|p| p.warm_up().report()),
     };
     Json(&body).into_response()
 }

@@ -144,18 +144,43 @@ impl Spawned {
     /// Waits until a small lookup is answered with `200`.
     pub fn wait_answering(&self, limit: Duration) -> std::io::Result<()> {
         let body = br#"{"model":"model-0","token_ids":[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16]}"#;
+        self.wait_answering_to(body, limit).map(drop)
+    }
+
+    /// Waits until the lookup `body` is answered with `200`; returns the answer.
+    pub fn wait_answering_to(&self, body: &[u8], limit: Duration) -> std::io::Result<Vec<u8>> {
         let started = Instant::now();
         loop {
-            let status = HttpClient::connect(self.http)
-                .and_then(|mut c| c.request("POST", "/v1/lookup", body))
-                .map(|(status, _)| status);
-            if status.is_ok_and(|s| s == 200) {
-                return Ok(());
+            let answer = HttpClient::connect(self.http)
+                .and_then(|mut c| c.request("POST", "/v1/lookup", body));
+            if let Ok((200, answer)) = answer {
+                return Ok(answer);
             }
             if started.elapsed() > limit {
                 return Err(invalid(format!("no lookup answered within {limit:?}")));
             }
             std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// Waits until every shard's rows are loaded after the start (`warm_up.done` in
+    /// `/v1/stats`).
+    pub fn wait_warm(&self, limit: Duration) -> std::io::Result<()> {
+        let started = Instant::now();
+        let mut client = HttpClient::connect(self.http)?;
+        loop {
+            let (status, body) = client.request("GET", "/v1/stats", b"")?;
+            let done = serde_json::from_slice::<serde_json::Value>(&body)
+                .is_ok_and(|stats| stats["warm_up"]["done"] == true);
+            if status == 200 && done {
+                return Ok(());
+            }
+            if started.elapsed() > limit {
+                return Err(invalid(format!(
+                    "the index did not warm up within {limit:?}"
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(5));
         }
     }
 

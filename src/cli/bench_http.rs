@@ -7,8 +7,9 @@
 //!    prompts (`bench-queries.jsonl`).
 //! 2. **Serve bounded**: `kvindex serve` on that data dir with `index.l1_max_bytes =
 //!    --l1-max-bytes`; its bounded load leaves what does not fit in RocksDB (L2).
-//! 3. **Load**: `--connections` keep-alive connections (one thread each, one request in flight
-//!    each) post the bodies round-robin for `--warmup` then `--seconds` seconds. Printed:
+//! 3. **Load**: once the server's warm-up is done, `--connections` keep-alive connections (one
+//!    thread each, one request in flight each) post the bodies round-robin (`--batch` of them
+//!    per request to `/v1/lookup/batch`) for `--warmup` then `--seconds` seconds. Printed:
 //!    lookups/s, latency percentiles, non-200 answers, how many lookups went to L2 (from
 //!    `/v1/stats`), and the server's resident set against its budget.
 
@@ -47,6 +48,22 @@ pub struct HttpArgs {
     /// picking among the best few would; default: whole answers.
     #[arg(long)]
     pub limit: Option<usize>,
+    /// Queries per request: above 1, each request posts that many to `/v1/lookup/batch`.
+    #[arg(long, default_value_t = 1)]
+    pub batch: usize,
+}
+
+/// `{"queries": [...]}` of the given lookup bodies.
+fn batch_body(queries: &[Vec<u8>]) -> Vec<u8> {
+    let mut out = b"{\"queries\":[".to_vec();
+    for (i, q) in queries.iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        out.extend_from_slice(q);
+    }
+    out.extend_from_slice(b"]}");
+    out
 }
 
 /// `body` (a JSON object) with `"limit": n` as its first field.
@@ -86,9 +103,10 @@ impl LoadReport {
     }
 }
 
-/// One client thread: posts `queries` (starting at `first`) until `stop`.
+/// One client thread: posts `queries` to `path` (starting at `first`) until `stop`.
 fn client(
     addr: SocketAddr,
+    path: &str,
     queries: &[Vec<u8>],
     first: usize,
     stop: &AtomicBool,
@@ -98,7 +116,7 @@ fn client(
     let mut i = first;
     while !stop.load(Ordering::Relaxed) {
         let started = Instant::now();
-        let (status, body) = http.request("POST", "/v1/lookup", &queries[i % queries.len()])?;
+        let (status, body) = http.request("POST", path, &queries[i % queries.len()])?;
         let took = started.elapsed();
         if status == 200 {
             report
@@ -116,6 +134,7 @@ fn client(
 /// `connections` clients for `duration`; latencies sorted.
 fn load(
     addr: SocketAddr,
+    path: &'static str,
     queries: &Arc<Vec<Vec<u8>>>,
     connections: usize,
     duration: Duration,
@@ -126,7 +145,7 @@ fn load(
         .map(|c| {
             let (queries, stop) = (queries.clone(), stop.clone());
             let first = c * queries.len() / connections.max(1);
-            std::thread::spawn(move || client(addr, &queries, first, &stop))
+            std::thread::spawn(move || client(addr, path, &queries, first, &stop))
         })
         .collect();
     std::thread::sleep(duration);
@@ -171,6 +190,14 @@ pub fn http(args: HttpArgs) -> anyhow::Result<()> {
             .map(|q| with_limit(q, n))
             .collect::<anyhow::Result<_>>()?;
     }
+    let path = match args.batch {
+        0 => bail!("--batch must be at least 1"),
+        1 => "/v1/lookup",
+        n => {
+            queries = queries.chunks_exact(n).map(batch_body).collect();
+            "/v1/lookup/batch"
+        }
+    };
     let queries = Arc::new(queries);
     let built: Value = serde_json::from_slice(
         &std::fs::read(bench_build::built_file(&args.data_dir))
@@ -189,6 +216,7 @@ pub fn http(args: HttpArgs) -> anyhow::Result<()> {
         SPAWN_TIMEOUT,
     )?;
     served.wait_answering(Duration::from_secs(300))?;
+    served.wait_warm(Duration::from_secs(600))?;
     let before = get_stats(served.http)?;
     let unbounded = number(&built, "/l1_bytes");
     println!(
@@ -205,7 +233,7 @@ pub fn http(args: HttpArgs) -> anyhow::Result<()> {
 
     let run = |seconds| {
         let duration = Duration::from_secs(seconds);
-        load(served.http, &queries, args.connections, duration)
+        load(served.http, path, &queries, args.connections, duration)
     };
     run(args.warmup)?;
     let start = get_stats(served.http)?;
@@ -213,11 +241,14 @@ pub fn http(args: HttpArgs) -> anyhow::Result<()> {
     let r = run(args.seconds)?;
     let cpu_end = served.cpu_time();
     let end = get_stats(served.http)?;
-    let answered = r.latencies_us.len() as u64;
+    let requests = r.latencies_us.len() as u64;
+    let answered = requests * args.batch as u64;
     let delta = |path: &str| number(&end, path).saturating_sub(number(&start, path));
     println!(
-        "http: {answered} lookups in {:.1} s over {} connections = {:.0} lookups/s; \
-         latency p50 {} µs, p99 {} µs, p99.9 {} µs, max {} µs; {} non-200; {:.1}% named an engine",
+        "http: {answered} lookups in {requests} requests ({} per request) in {:.1} s over {} \
+         connections = {:.0} lookups/s; request latency p50 {} µs, p99 {} µs, p99.9 {} µs, \
+         max {} µs; {} non-200; {:.1}% named an engine",
+        args.batch,
         r.elapsed.as_secs_f64(),
         args.connections,
         answered as f64 / r.elapsed.as_secs_f64(),
@@ -226,7 +257,7 @@ pub fn http(args: HttpArgs) -> anyhow::Result<()> {
         r.percentile_us(0.999),
         r.percentile_us(1.0),
         r.non_200,
-        100.0 * r.matched as f64 / answered.max(1) as f64,
+        100.0 * r.matched as f64 / requests.max(1) as f64,
     );
     // The server's own CPU per lookup: what the load generator sharing the cores, and the
     // machine's other tenants, do not change much (throughput they do).

@@ -9,6 +9,7 @@ use kvindex::config::{Config, SourceKind};
 use kvindex::event::encode;
 use kvindex::index::QueryBlocks;
 use kvindex::ingest::{Ingest, SourceReport};
+use kvindex::pipeline::{WarmUp, WarmUpFailed};
 use kvindex::service::{Service, SourceSetup, StartSettings};
 use kvindex::sim::{Fleet, FleetSettings};
 use kvindex::source::{EmbeddedBroker, KafkaPublisher};
@@ -81,11 +82,10 @@ impl Running {
         let service = Service::open(config, setup.forget_on_start().as_deref())
             .context("opening the durable index")?;
         println!(
-            "index loaded from {} in {} ms: {} blocks, {} memberships, {} engines",
+            "index opened from {} in {} ms: {} engines; their blocks load into memory in the \
+             background, lookups are answered meanwhile",
             kvindex::service::store_dir(&service.config).display(),
             service.load_time.as_millis(),
-            service.loaded.blocks,
-            service.loaded.memberships,
             service.loaded.engines
         );
         let (ingest, report) = service
@@ -175,12 +175,39 @@ pub async fn shutdown_signal() {
     tracing::info!("shutting down");
 }
 
+/// Resolves when a shard's warm-up failed (never, once every shard is warm).
+async fn warm_up_failure(warm_up: Arc<WarmUp>) -> WarmUpFailed {
+    loop {
+        if let Some(failure) = warm_up.failure() {
+            return failure;
+        }
+        if warm_up.is_done() {
+            return std::future::pending().await;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let config = load_config(&args)?;
     let tls = load_tls(&config)?;
     let running = Running::start(config, args.reset_on_divergence)?;
-    let result = run_http(&running, tls, shutdown_signal()).await;
+    // A shard whose rows cannot be read back cannot take events: stop, as a failed start.
+    let failed = Arc::new(parking_lot::Mutex::new(None));
+    let stop = {
+        let (failed, warm_up) = (failed.clone(), running.service.pipeline.warm_up().clone());
+        async move {
+            tokio::select! {
+                _ = shutdown_signal() => {}
+                f = warm_up_failure(warm_up) => *failed.lock() = Some(f),
+            }
+        }
+    };
+    let result = run_http(&running, tls, stop).await;
     running.stop().await;
+    if let Some(failure) = failed.lock().take() {
+        return Err(failure).context("loading the durable index");
+    }
     result
 }
 

@@ -222,7 +222,8 @@ async fn drive<S: EventSource>(
         if last_ack.elapsed() >= ACK_EVERY {
             last_ack = Instant::now();
             acknowledge(&mut source, &name, &progress, &mut acked).await;
-            if ctx.report.refresh(&source, &ctx.metrics) {
+            // Ready once caught up, and not before every shard is warm (its counters exact).
+            if ctx.report.refresh(&source, &ctx.metrics) && ctx.pipeline.warm_up().is_done() {
                 ctx.ready.store(true, Ordering::Release);
             }
         }

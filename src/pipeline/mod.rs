@@ -9,7 +9,9 @@
 //!   expire silent engines, commit;
 //! - `inflight.rs`: the byte budget of decoded events queued for the workers;
 //! - [`progress`]: per source partition, what each shard has applied and made durable;
-//! - [`spill`]: the bounded L1's wiring: one spill controller per worker over the store.
+//! - [`spill`]: the bounded L1's wiring: one spill controller per worker over the store;
+//! - [`warm_up`]: after a restart, each worker loads its shard's rows before it applies,
+//!   while lookups read what is not loaded yet from L2.
 //!
 //! Workers are plain threads (index work is CPU-bound Rust on owned data, no `.await`); the
 //! bounded queues and the in-flight byte budget give backpressure: a source that outruns the
@@ -43,18 +45,20 @@
 mod inflight;
 pub mod progress;
 pub mod spill;
+pub mod warm_up;
 pub mod worker;
 
 pub use inflight::DEFAULT_INFLIGHT_BYTES;
 pub use progress::Progress;
 pub use spill::{ShardSpill, Spill};
+pub use warm_up::{WarmUp, WarmUpFailed, WarmUpReport};
 pub use worker::{CommitSettings, Liveness};
 
 use crate::event::{DecodeSettings, Decoded, Envelope, Event, EventKind, decode_payload};
 use crate::index::{Index, Observed, SkipReason};
 use crate::metrics::Metrics;
 use crate::source::{Checkpoints, Message};
-use crate::store::{Store, StoreError};
+use crate::store::{ShardLoad, Store, StoreError};
 use crate::util::LogEvery;
 use inflight::Inflight;
 use progress::PartId;
@@ -63,6 +67,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
 use std::sync::mpsc::{Sender, SyncSender, sync_channel};
 use std::thread::JoinHandle;
+use warm_up::ShardWarmUp;
 use worker::{Worker, WorkerContext};
 
 /// Batches waiting per shard before `ingest_batch` blocks.
@@ -128,12 +133,15 @@ pub struct Pipeline {
     conflict_warnings: LogEvery,
     /// Bytes of decoded events queued for the workers (`inflight.rs`).
     inflight: Arc<Inflight>,
+    /// The workers' loads after a restart (`warm_up.rs`).
+    warm_up: Arc<WarmUp>,
 }
 
 impl Pipeline {
-    /// Starts one worker per shard of `index`, which holds what `store` held at start (loaded
-    /// with change tracking on, each shard attached to `spill`); `progress` holds the offsets
-    /// the store holds ([`Progress::restore`]).
+    /// Starts one worker per shard of `index`, each shard attached to `spill` and begun
+    /// loading from `store` (`loads`, one per shard, which each worker finishes first; see
+    /// `warm_up.rs`); `progress` holds the offsets the store holds ([`Progress::restore`]).
+    #[allow(clippy::too_many_arguments)]
     pub fn start(
         index: Arc<Index>,
         metrics: Arc<Metrics>,
@@ -142,12 +150,15 @@ impl Pipeline {
         commits: CommitSettings,
         spill: &Spill,
         liveness: Liveness,
+        loads: Vec<ShardLoad>,
     ) -> Pipeline {
+        assert_eq!(loads.len(), index.shard_count(), "one load per shard");
         let mut senders = Vec::new();
         let mut workers = Vec::new();
         let closing = Arc::new(AtomicBool::new(false));
         let inflight = Arc::new(Inflight::new(commits.max_inflight_bytes));
-        for shard in 0..index.shard_count() {
+        let warm_up = Arc::new(WarmUp::new(index.shard_count()));
+        for (shard, load) in loads.into_iter().enumerate() {
             let (tx, rx) = sync_channel(QUEUE_BATCHES);
             let ctx = WorkerContext {
                 index: index.clone(),
@@ -159,7 +170,11 @@ impl Pipeline {
                 liveness: liveness.clone(),
                 inflight: inflight.clone(),
             };
-            let mut worker = Worker::new(shard, ctx, spill.for_shard(shard));
+            let warm = ShardWarmUp {
+                load,
+                status: warm_up.clone(),
+            };
+            let mut worker = Worker::new(shard, ctx, spill.for_shard(shard), Some(warm));
             let handle = std::thread::Builder::new()
                 .name(format!("kvindex-shard-{shard}"))
                 .spawn(move || worker.run(rx))
@@ -177,7 +192,13 @@ impl Pipeline {
             closing,
             conflict_warnings: LogEvery::new(std::time::Duration::from_secs(10)),
             inflight,
+            warm_up,
         }
+    }
+
+    /// The shards' warm-up after a restart (`warm_up.rs`).
+    pub fn warm_up(&self) -> &Arc<WarmUp> {
+        &self.warm_up
     }
 
     /// Shutdown has begun. From now on the workers no longer hold events back while L1 is at

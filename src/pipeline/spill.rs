@@ -67,8 +67,8 @@ impl Spill {
         self.settings.low_bytes()
     }
 
-    /// Puts the store behind `shard` (number `n`), after it was loaded (`spilled`: the load
-    /// left rows in L2).
+    /// Puts the store behind `shard` (number `n`) as its L2; `spilled`: L2 may hold rows L1
+    /// lacks (so while its load is under way, and after a load that left rows in L2).
     pub fn attach(&self, shard: &mut Shard, n: usize, spilled: bool) {
         shard.attach_l2(
             self.store.clone(),

@@ -2,6 +2,8 @@
 //! shard's write lock, skips offsets it has applied already, commits its changes with the
 //! offsets they cover, and runs its shard's spill duty between batches.
 //!
+//! After a restart the worker first finishes loading its shard (`warm_up.rs`), then applies.
+//!
 //! A worker is the only writer of its shard: of its tables (events, restores, evictions) and
 //! of its rows in the store (checkpoint commits and write-back batches). That is what lets a
 //! commit take the change set between two events and write it without the lock, and a restore
@@ -9,6 +11,7 @@
 
 use super::progress::{NONE, PartId, Progress};
 use super::spill::ShardSpill;
+use super::warm_up::ShardWarmUp;
 use super::{Msg, ShardWork};
 use crate::event::{Event, EventKind};
 use crate::index::{Index, Shard, SkipReason};
@@ -107,10 +110,17 @@ pub(super) struct Worker {
     /// Set when shutdown came while an event was held: later work is not applied, so no
     /// offset moves past it.
     abandoned: bool,
+    /// The rest of the shard's load after a restart, run before anything else.
+    warm_up: Option<ShardWarmUp>,
 }
 
 impl Worker {
-    pub(super) fn new(shard: usize, ctx: WorkerContext, spill: ShardSpill) -> Worker {
+    pub(super) fn new(
+        shard: usize,
+        ctx: WorkerContext,
+        spill: ShardSpill,
+        warm_up: Option<ShardWarmUp>,
+    ) -> Worker {
         let mut w = Worker {
             shard,
             next_commit: Instant::now() + ctx.commits.interval,
@@ -127,6 +137,7 @@ impl Worker {
                 Duration::from_secs(5),
             ),
             abandoned: false,
+            warm_up,
         };
         // Floors restored from the store (Progress::restore) before the workers started.
         for id in 0..w.ctx.progress.len() as PartId {
@@ -168,6 +179,14 @@ impl Worker {
     }
 
     pub(super) fn run(&mut self, rx: Receiver<Msg>) {
+        if let Some(warm_up) = self.warm_up.take() {
+            let index = self.ctx.index.clone();
+            let lock = index.shard(self.shard);
+            if !warm_up.run(&self.ctx.store, self.shard, lock, &self.ctx.closing) {
+                self.refuse_all(rx);
+                return;
+            }
+        }
         loop {
             self.hold_while_full();
             let wait = self.next_commit.saturating_duration_since(Instant::now());
@@ -204,6 +223,27 @@ impl Worker {
         }
         // Shutdown: make what was applied durable.
         self.commit();
+    }
+
+    /// After a warm-up that did not finish (a failed read, or shutdown during it) the shard's
+    /// counters are partial, so nothing may change it or its rows: work is dropped unapplied
+    /// (no offset advances, so a restart delivers it again) and control messages answered.
+    fn refuse_all(&mut self, rx: Receiver<Msg>) {
+        for msg in rx {
+            match msg {
+                Msg::Work(w) => self.ctx.inflight.release(w.bytes),
+                Msg::Barrier(ack) | Msg::Forget(_, ack) => {
+                    let _ = ack.send(());
+                }
+                // Nothing was applied, so nothing applied is lost.
+                Msg::Persist(ack) => {
+                    let _ = ack.send(true);
+                }
+                Msg::ForgetEngine(_, ack) => {
+                    let _ = ack.send(None);
+                }
+            }
+        }
     }
 
     fn apply(&mut self, work: ShardWork) {

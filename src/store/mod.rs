@@ -13,7 +13,7 @@
 //! - `mod.rs`: opening the database and checking its layout (shard count, seed);
 //! - `commit.rs`: the checkpoint commit (rows + offsets in one batch);
 //! - `offsets.rs`: the offsets rows and the contract below;
-//! - `load.rs`: the warm reload of a shard at start;
+//! - `load.rs`: the warm reload of a shard at start (catalog first, then rows in chunks);
 //! - `l2.rs`: the store as the spill's L2 (point reads, write-back rows);
 //! - `codec.rs`, `registry.rs`: key/value layouts, durable engine and partition ids.
 //!
@@ -33,6 +33,7 @@ mod offsets;
 mod registry;
 
 pub use l2::{ROW_BLOCKS, ROW_MAPS, StoreSink};
+pub use load::{LOAD_CHUNK, LoadTarget, ShardLoad};
 
 use crate::event::PartitionKey;
 use crate::index::SkipReason;
@@ -79,6 +80,8 @@ pub enum StoreError {
     NoSuchShard { shard: u16, shards: u16 },
     #[error("shard {0} must be empty before it is loaded")]
     ShardNotEmpty(u16),
+    #[error("the load of shard {0} was stopped before it finished")]
+    LoadInterrupted(u16),
     #[error("corrupt {what} in the store: {detail}")]
     Corrupt { what: &'static str, detail: String },
     /// A fault ordered through the test switchboard ([`Store::faults`]; `testing` builds only).
@@ -113,7 +116,7 @@ pub struct StoreSettings {
     pub sync: bool,
 }
 
-/// What [`Store::load_shard`] restored.
+/// What [`Store::load_shard`] (or a [`ShardLoad`]) restored.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct LoadStats {
     pub partitions: u64,
@@ -123,6 +126,18 @@ pub struct LoadStats {
     pub memberships: u64,
     /// Rows counted but left in L2 because L1's load budget was full.
     pub left_in_l2: u64,
+}
+
+impl LoadStats {
+    /// Adds another shard's load to this total.
+    pub fn add(&mut self, other: &LoadStats) {
+        self.partitions += other.partitions;
+        self.engines += other.engines;
+        self.map_entries += other.map_entries;
+        self.blocks += other.blocks;
+        self.memberships += other.memberships;
+        self.left_in_l2 += other.left_in_l2;
+    }
 }
 
 /// The RocksDB-backed durable state. Share it behind an `Arc`: every method takes `&self`, and
@@ -411,6 +426,29 @@ impl Store {
             it.next();
         }
         Ok(it.status()?)
+    }
+
+    /// [`Store::scan`] in chunks: `decode` turns each row into items of `chunk`, and `apply`
+    /// takes (and drains) the chunk every [`LOAD_CHUNK`] rows and at the end.
+    fn scan_chunks<T>(
+        &self,
+        cf: &'static str,
+        prefix: &[u8],
+        mut decode: impl FnMut(&[u8], &[u8], &mut Vec<T>) -> Result<(), StoreError>,
+        mut apply: impl FnMut(&mut Vec<T>) -> Result<(), StoreError>,
+    ) -> Result<(), StoreError> {
+        let mut chunk = Vec::with_capacity(LOAD_CHUNK);
+        self.scan(cf, prefix, |k, v| {
+            decode(k, v, &mut chunk)?;
+            if chunk.len() >= LOAD_CHUNK {
+                apply(&mut chunk)?;
+            }
+            Ok(())
+        })?;
+        if !chunk.is_empty() {
+            apply(&mut chunk)?;
+        }
+        Ok(())
     }
 
     /// Flushes memtables to SST files (tests, shutdown); durability does not need it (WAL).

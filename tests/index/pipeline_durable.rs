@@ -71,8 +71,16 @@ fn redelivery_is_skipped_counted_and_changes_nothing() {
     assert_eq!(fingerprint(&service.index, &queries, 16), before);
     drop(service);
 
-    // Reopened: warm, and a re-read from below the checkpoint applies only what is new.
+    // Reopened: answers at once (from L2 while rows load), then warm; and a re-read from
+    // below the checkpoint applies only what is new.
     let service = Service::open(config(dir.path()), None).unwrap();
+    assert_eq!(
+        fingerprint(&service.index, &queries, 16).answers,
+        before.answers,
+        "answers while warming"
+    );
+    let loaded = service.wait_warm().expect("the store loads");
+    assert!(loaded.blocks > 0 && loaded.engines > 0, "{loaded:?}");
     assert_eq!(
         fingerprint(&service.index, &queries, 16),
         before,
@@ -375,4 +383,50 @@ fn a_stored_offset_that_cannot_be_read_holds_the_assignment_until_it_can() {
     let answer = rx.recv_timeout(std::time::Duration::from_secs(30)).unwrap();
     waiter.join().unwrap();
     assert_eq!(answer, Some(20));
+}
+
+/// A row that cannot be read back stops its shard's warm-up with an error naming the shard
+/// and the row: the shard takes no event meanwhile, so none of its offsets moves, and the
+/// next start (after a repair) resumes where the store's offsets say.
+#[test]
+fn a_corrupt_row_fails_the_warm_up_by_name_and_applies_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut fleet = Fleet::new(FleetSettings::default());
+    let opts = DecodeSettings::from(&Config::default().source);
+    {
+        let service = Service::open(config(dir.path()), None).unwrap();
+        let p = &service.pipeline;
+        p.ingest_batch(SOURCE, &messages(&mut fleet, 0, 50), &opts)
+            .unwrap();
+        assert!(p.persist());
+    }
+    // Shard 0's first block row loses its holders' bytes.
+    {
+        let path = dir.path().join("index");
+        let cfs = ["blocks", "maps", "offsets", "meta"];
+        let db = rocksdb::DB::open_cf(&rocksdb::Options::default(), &path, cfs).unwrap();
+        let blocks = db.cf_handle("blocks").unwrap();
+        let key = {
+            let mut it = db.raw_iterator_cf(blocks);
+            it.seek([0u8, 0]);
+            it.key().expect("shard 0 has a block row").to_vec()
+        };
+        assert_eq!(key[..2], [0, 0]);
+        db.put_cf(blocks, &key, [0u8, 0, 0]).unwrap();
+    }
+    let service = Service::open(config(dir.path()), None).unwrap();
+    let failed = service.wait_warm().expect_err("a corrupt row");
+    assert_eq!(failed.shard, 0);
+    assert!(failed.error.contains("corrupt block row"), "{failed}");
+    let report = service.pipeline.warm_up().report();
+    assert!(!report.done && report.error.is_some(), "{report:?}");
+    // Shard 0 takes no event: its offset stays where the store has it.
+    let p = &service.pipeline;
+    p.ingest_batch(SOURCE, &messages(&mut fleet, 50, 20), &opts)
+        .unwrap();
+    assert!(p.persist());
+    let part = &p.progress().of_source(SOURCE)[0];
+    assert_eq!(part.applied_at(0), 50, "shard 0 applied nothing");
+    assert_eq!(part.applied_at(1), 70, "shard 1 goes on");
+    assert_eq!(part.durable_next(), Some(50));
 }

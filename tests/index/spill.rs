@@ -150,7 +150,8 @@ fn a_tiny_l1_answers_like_an_unbounded_index_through_churn_and_restarts() {
 
     // Clean restart: a bounded load, the rest read through.
     let service = Service::open(c.clone(), None).unwrap();
-    assert!(service.loaded.left_in_l2 > 0, "{:?}", service.loaded);
+    let loaded = service.wait_warm().expect("the store loads");
+    assert!(loaded.left_in_l2 > 0, "{loaded:?}");
     let q = queries(&mut traffic, 32);
     assert_same(&service, &reference, &q, "after restart");
     for round in 0..4 {

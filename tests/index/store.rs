@@ -2,7 +2,7 @@
 //! (state at a checkpoint + replay of the events after it == the full state), layout
 //! mismatches are refused by name, and a full disk is an error, not a panic.
 
-use kvindex::event::{Event, EventKind, PartitionKey, Tier};
+use kvindex::event::{BlockContent, EngineHash, Event, EventKind, PartitionKey, Tier};
 use kvindex::index::{EngineInfo, EngineMatch, Index, IndexSettings, PartitionStats, QueryBlocks};
 use kvindex::sim::{Fleet, FleetSettings};
 use kvindex::store::{Store, StoreError, StoreSettings};
@@ -534,30 +534,13 @@ fn full_disk_makes_commit_fail_without_touching_the_index() {
 /// peak far above `l1_max_bytes`).
 #[test]
 fn bounded_load_sizes_tables_for_its_budget_not_for_l2() {
-    use kvindex::event::{BlockContent, EngineHash};
     use kvindex::index::Shard;
     use kvindex::index::shard::BLOCK_ENTRY_BYTES;
 
     let dir = tempfile::tempdir().expect("tempdir");
     let store = open(dir.path());
     let f = Feeder::new();
-    let partition = PartitionKey::new("t", "m", "");
-    // 4 engines × 1,000 chains of 8 blocks: 32,000 distinct blocks.
-    for e in 0..4u64 {
-        for chain in 0..1_000u64 {
-            let mut ev = Event::new(EventKind::Stored, format!("engine-{e}"), partition.clone());
-            ev.block_hashes = (0..8)
-                .map(|b| EngineHash(e << 40 | chain << 8 | b))
-                .collect();
-            ev.content = BlockContent::Tokens {
-                token_ids: (0..8 * 16)
-                    .map(|t| (e * 1_000_000 + chain * 1_000 + t) as u32)
-                    .collect(),
-                block_size: 16,
-            };
-            f.index.apply(&ev, 1).expect("stores");
-        }
-    }
+    long_chains(&f);
     for s in 0..SHARDS {
         f.commit(&store, s);
     }
@@ -578,5 +561,143 @@ fn bounded_load_sizes_tables_for_its_budget_not_for_l2() {
     assert!(
         bounded_bytes * 4 < full_bytes && (bounded_bytes as u64) < 4 * budget + (64 << 10),
         "bounded load took {bounded_bytes} B for a {budget} B budget (unbounded: {full_bytes} B)"
+    );
+}
+
+/// 4 engines × 1,000 chains of 8 blocks (32,000 distinct blocks, several load chunks per
+/// shard), each chain's tokens its own, with the queries that hit each chain's prefixes.
+fn long_chains(f: &Feeder) -> Vec<(PartitionKey, Vec<u32>)> {
+    let partition = PartitionKey::new("t", "m", "");
+    let tokens = |e: u64, chain: u64, n: u64| -> Vec<u32> {
+        (0..n)
+            .map(|t| (e * 1_000_000 + chain * 1_000 + t) as u32)
+            .collect()
+    };
+    for e in 0..4u64 {
+        for chain in 0..1_000u64 {
+            let mut ev = Event::new(EventKind::Stored, format!("engine-{e}"), partition.clone());
+            ev.block_hashes = (0..8)
+                .map(|b| EngineHash(e << 40 | chain << 8 | b))
+                .collect();
+            ev.tier = [Some(Tier::Gpu), Some(Tier::Cpu), None][(chain % 3) as usize];
+            ev.content = BlockContent::Tokens {
+                token_ids: tokens(e, chain, 8 * fleet_config().block_size as u64),
+                block_size: fleet_config().block_size,
+            };
+            f.index.apply(&ev, 1).expect("stores");
+        }
+    }
+    (0..200u64)
+        .map(|i| {
+            let blocks = 1 + i % 10; // up to 2 blocks past a chain's end
+            let tokens = tokens(i % 4, i * 5, blocks * fleet_config().block_size as u64);
+            (partition.clone(), tokens)
+        })
+        .collect()
+}
+
+/// A restart answers before its rows are loaded: the shards are attached to the store as
+/// spilled L1s after the first step of their load, and lookups read through to L2 while the
+/// second step loads rows a chunk at a time. Every answer, before the first chunk, between
+/// any two and after the last, equals the committed state's.
+#[test]
+fn lookups_during_a_chunked_load_answer_as_the_committed_state() {
+    use kvindex::index::shard::{ReadThroughSettings, ReadThroughStats};
+    use std::sync::Arc;
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (events, mut queries) = stream(2000);
+    let want = {
+        let store = open(dir.path());
+        let mut f = Feeder::new();
+        for ev in &events {
+            f.apply(ev);
+        }
+        queries.extend(long_chains(&f));
+        for s in 0..SHARDS {
+            f.commit(&store, s);
+        }
+        store.flush().expect("flush");
+        snapshot(&f.index, &queries)
+    };
+    assert!(
+        want.lookups.iter().filter(|l| !l.is_empty()).count() > 200,
+        "the queries must hit"
+    );
+
+    let store = Arc::new(open(dir.path()));
+    let index = new_index();
+    let stats = Arc::new(ReadThroughStats::default());
+    let mut loads = Vec::new();
+    for s in 0..SHARDS {
+        let mut shard = index.shard(s).write();
+        loads.push(
+            store
+                .begin_load(s as u16, &mut shard, u64::MAX)
+                .expect("begins"),
+        );
+        let settings = ReadThroughSettings {
+            restore_on_read: true,
+        };
+        shard.attach_l2(store.clone(), s as u16, settings, stats.clone(), true);
+    }
+    let answers = |index: &Index| snapshot(index, &queries).lookups;
+    assert_eq!(
+        answers(&index),
+        want.lookups,
+        "no row loaded yet: all from L2"
+    );
+    assert!(index.stats().block_entries < want.block_entries / 100);
+
+    let mut chunks = 0;
+    for (s, mut load) in loads.into_iter().enumerate() {
+        let total = store
+            .finish_load(&mut load, index.shard(s), |_| {
+                // The shard's lock is released between chunks.
+                assert_eq!(answers(&index), want.lookups, "shard {s}, chunk {chunks}");
+                chunks += 1;
+                true
+            })
+            .expect("loads");
+        assert_eq!(total.left_in_l2, 0);
+        let mut shard = index.shard(s).write();
+        shard.end_load(false);
+        shard.enable_change_tracking();
+    }
+    assert!(chunks >= 3 * SHARDS, "only {chunks} chunks");
+    assert!(stats.l2_reads.load(std::sync::atomic::Ordering::Relaxed) > 0);
+    assert_eq!(snapshot(&index, &queries), want, "loaded");
+}
+
+/// A load stopped between chunks says so, and a load into a shard that is not empty is refused.
+#[test]
+fn a_stopped_load_is_an_error_and_loads_need_an_empty_shard() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = open(dir.path());
+    let f = Feeder::new();
+    long_chains(&f);
+    for s in 0..SHARDS {
+        f.commit(&store, s);
+    }
+    let index = new_index();
+    let mut load = store
+        .begin_load(0, &mut index.shard(0).write(), u64::MAX)
+        .expect("begins");
+    let mut seen = 0;
+    let stopped = store.finish_load(&mut load, index.shard(0), |_| {
+        seen += 1;
+        false
+    });
+    assert!(
+        matches!(stopped, Err(StoreError::LoadInterrupted(0))),
+        "{stopped:?}"
+    );
+    assert_eq!(seen, 1, "stops after the first chunk");
+    assert!(
+        matches!(
+            store.begin_load(0, &mut index.shard(0).write(), u64::MAX),
+            Err(StoreError::ShardNotEmpty(0))
+        ),
+        "half loaded"
     );
 }

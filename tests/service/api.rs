@@ -458,6 +458,72 @@ async fn block_size_is_learned_per_model_else_a_400() {
     );
 }
 
+/// A batch answers each query exactly as `/v1/lookup` answers it alone, in order; a query
+/// invalid on its own gets its error and status in its place, and the others are answered.
+#[tokio::test]
+async fn a_batch_answers_each_query_as_a_lookup_alone_would() {
+    let (state, _) = fixture();
+    let metrics = state.metrics.clone();
+    let app = api::router(state);
+    let queries = vec![
+        json!({"model": "llama", "token_ids": tokens(13)}),
+        json!({"model": "llama", "adapter": "x", "token_ids": tokens(12), "limit": 1}),
+        json!({"model": "llama", "tenant": "acme", "token_ids": tokens(12)}),
+        json!({"model": "m8", "token_ids": tokens(20)}),
+        json!({"model": "opaque", "block_hashes": [255, hex::encode(HASH_32)]}),
+        json!({"model": "llama", "token_ids": tokens(12), "tier_weights": {"GPU": 1.0, "CPU": 0.5}}),
+        json!({"model": "nobody", "token_ids": tokens(40)}),
+        json!({"token_ids": tokens(4)}),
+        json!({"model": "llama", "token_ids": "abc"}),
+    ];
+    let mut alone = Vec::new();
+    for q in &queries {
+        let (status, v) = call_json(&app, "POST", "/v1/lookup", Some(&q.to_string())).await;
+        alone.push(match status {
+            StatusCode::OK => v,
+            status => json!({"error": v["error"], "status": status.as_u16()}),
+        });
+    }
+    assert_eq!(
+        alone.iter().filter(|a| a.get("status").is_some()).count(),
+        3
+    );
+    assert!(alone.iter().any(|a| !rows(a).is_empty()));
+    let before = metrics.lookups.load(Ordering::Relaxed);
+    let body = json!({ "queries": queries }).to_string();
+    let (status, v) = call_json(&app, "POST", "/v1/lookup/batch", Some(&body)).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(v, json!({ "answers": alone }));
+    assert_eq!(
+        metrics.lookups.load(Ordering::Relaxed) - before,
+        6,
+        "each answered query counts as a lookup"
+    );
+
+    let (status, v) = call_json(&app, "POST", "/v1/lookup/batch", Some(r#"{"queries":[]}"#)).await;
+    assert_eq!((status, v), (StatusCode::OK, json!({"answers": []})));
+    for bad in [
+        "not json",
+        r#"{"queries": 5}"#,
+        r#"{"model": "llama", "token_ids": [1]}"#,
+        r#"[{"model": "llama", "token_ids": [1]}]"#,
+    ] {
+        let (status, v) = call_json(&app, "POST", "/v1/lookup/batch", Some(bad)).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{bad}: {v}");
+        assert!(
+            v["error"].as_str().unwrap().contains("invalid batch"),
+            "{v}"
+        );
+    }
+    let many = format!(r#"{{"queries":[{}]}}"#, vec!["{}"; 1025].join(","));
+    let (status, v) = call_json(&app, "POST", "/v1/lookup/batch", Some(&many)).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
+    assert_eq!(
+        v["error"],
+        json!("queries: 1025 queries, at most 1024 per batch")
+    );
+}
+
 #[tokio::test]
 async fn hash_lookup_accepts_hex_and_integers() {
     let (state, _) = fixture();
@@ -982,8 +1048,11 @@ async fn openapi_document_matches_router_and_responses() {
     assert_eq!(documented(&doc), served);
     for path in doc["paths"].as_object().unwrap().keys() {
         for method in ["GET", "POST", "PUT", "DELETE", "PATCH"] {
-            let body =
-                (method == "POST").then(|| br#"{"model": "llama", "token_ids": [1]}"#.to_vec());
+            let query = r#"{"model": "llama", "token_ids": [1]}"#;
+            let body = (method == "POST").then(|| match path.as_str() {
+                "/v1/lookup/batch" => format!(r#"{{"queries": [{query}]}}"#).into_bytes(),
+                _ => query.as_bytes().to_vec(),
+            });
             let (status, headers, bytes) = call(&app, method, path, body).await;
             if served.contains(&(method.to_string(), path.clone())) {
                 assert!(
@@ -1029,6 +1098,18 @@ async fn openapi_document_matches_router_and_responses() {
                 vec!["1"; 3000].join(",")
             )),
         ),
+        (
+            "POST",
+            "/v1/lookup/batch",
+            Some(
+                json!({"queries": [
+                    {"model": "llama", "token_ids": tokens(13)},
+                    {"model": "llama", "token_ids": "abc"},
+                ]})
+                .to_string(),
+            ),
+        ),
+        ("POST", "/v1/lookup/batch", Some("[]".to_string())),
         ("GET", "/v1/lookup", None),
         ("GET", "/v1/engines", None),
         ("GET", "/v1/stats", None),

@@ -162,13 +162,17 @@ async fn embedded_default_consumes_answers_and_restarts_warm() {
 
     // Restart: a new, empty embedded log; the index answers from disk at once.
     let kv = blocking(|| spawn_kvindex(&["serve"], dir.path(), &[], START));
-    let stats = kv.stats();
-    assert_eq!(stats["index"]["memberships"], memberships, "warm restart");
     let after: Vec<_> = queries
         .iter()
         .map(|(p, t)| http_answer(&kv, p, t))
         .collect();
     assert_eq!(after, before, "answers after the restart differ");
+    // Counters are exact once every shard's rows are loaded.
+    let stats = crate::support::wait_for("the warm-up", START, || {
+        let stats = kv.stats();
+        (stats["warm_up"]["done"] == true).then_some(stats)
+    });
+    assert_eq!(stats["index"]["memberships"], memberships, "warm restart");
     // The new log's offsets start at 0 again and are not mistaken for duplicates.
     let bootstrap = kv.bootstrap.clone().unwrap();
     let publisher = KafkaPublisher::new(&bootstrap, "kv-events", &Default::default()).unwrap();

@@ -137,8 +137,9 @@ pub(super) struct SpillState {
 }
 
 impl Shard {
-    /// Puts `l2` behind this shard (number `shard` in the store). `spilled`: the shard was
-    /// loaded with rows left in L2. Enable change tracking too: dirtiness is the tracker's.
+    /// Puts `l2` behind this shard (number `shard` in the store). `spilled`: L2 may hold rows
+    /// L1 lacks (a load under way, or one that left rows in L2; see [`Shard::end_load`]).
+    /// Enable change tracking too (once loaded): dirtiness is the tracker's.
     pub fn attach_l2(
         &mut self,
         l2: Arc<dyn L2Reader>,
@@ -159,6 +160,19 @@ impl Shard {
             stats,
             epoch: 0,
         }));
+    }
+
+    /// A load into this shard (attached as spilled while it ran) is done: it stays spilled
+    /// only if rows were `left_in_l2`. Lookups' pending restores are dropped when not (every
+    /// row is in L1), and plans made during the load are void.
+    pub fn end_load(&mut self, left_in_l2: bool) {
+        self.advance_l2_epoch();
+        if let Some(t) = self.spill.as_deref_mut() {
+            t.spilled = left_in_l2;
+            if !left_in_l2 {
+                t.promote.get_mut().clear();
+            }
+        }
     }
 
     /// Whether anything of this shard may live only in L2.
