@@ -116,6 +116,7 @@ impl Service {
     ) -> Result<Service, ServiceError> {
         let started = Instant::now();
         let store = Arc::new(open_store(&config)?);
+        let store_open = started.elapsed();
         if let Some(source) = forget_source {
             let n = store.forget_source(source)?;
             if n > 0 {
@@ -165,6 +166,7 @@ impl Service {
             engines = loaded.engines,
             partitions = loaded.partitions,
             open_ms = load_time.as_millis() as u64,
+            rocksdb_open_ms = store_open.as_millis() as u64,
             "index opened from disk; its rows load into L1 in the background"
         );
         Ok(Service {

@@ -180,7 +180,7 @@ impl SourceReport {
             && partitions.iter().all(PartitionProgress::caught_up)
         {
             snap.ready = true;
-            tracing::info!(source = %self.name, partitions = partitions.len(), "caught up with the log end seen at start: ready");
+            tracing::info!(source = %self.name, partitions = partitions.len(), "caught up with the log end seen at start (ready once the index is warm too)");
         }
         metrics.set_sources(
             partitions
