@@ -5,6 +5,7 @@
 //! `limits.rs` (deadline, concurrency cap), `tls.rs` (rustls listener).
 
 pub mod auth;
+pub mod baseline;
 pub mod error;
 pub mod health;
 pub mod limits;
@@ -42,7 +43,8 @@ pub const DEFAULT_MAX_PAGE_SIZE: usize = 1000;
 /// block size no event has told is a 400, never an empty answer keyed with a guess).
 pub const DEFAULT_BLOCK_SIZE: u32 = 0;
 
-/// Every (method, path) the router serves (see [`router`]). `GET` routes answer
+/// Every (method, path) the router serves (see [`router`]), but the opt-in baseline route
+/// (`baseline.rs`), which is no part of the API. `GET` routes answer
 /// `HEAD` too. Kept by hand in step with [`router`]; `tests/service/api.rs` checks each is
 /// served and that the OpenAPI document lists exactly these.
 pub const ROUTES: &[(&str, &str)] = &[
@@ -84,6 +86,8 @@ pub struct AppState {
     pub limits: limits::Limits,
     /// Most engines in one `GET /v1/engines` page.
     pub max_page_size: usize,
+    /// Serve `POST /bench/static` (see `baseline.rs`); off by default.
+    pub baseline_route: bool,
 }
 
 impl AppState {
@@ -103,6 +107,7 @@ impl AppState {
             auth: auth::AuthPolicy::default(),
             limits: limits::Limits::default(),
             max_page_size: DEFAULT_MAX_PAGE_SIZE,
+            baseline_route: false,
         }
     }
 
@@ -126,6 +131,7 @@ impl AppState {
             max_concurrent_requests: http.max_concurrent_requests,
         };
         state.max_page_size = http.max_page_size;
+        state.baseline_route = http.baseline_route;
         Ok(state)
     }
 }
@@ -155,7 +161,11 @@ impl SourceStatusView for SourceStatus {
 /// the probes, the token check of the route's kind ([`auth::reads`] or [`auth::mutations`])
 /// and the concurrency cap ([`limits::shed`]).
 pub fn router(state: AppState) -> Router {
-    assemble(state, read_routes())
+    let mut reads = read_routes();
+    if state.baseline_route {
+        reads = reads.route("/bench/static", post(baseline::static_answer));
+    }
+    assemble(state, reads)
 }
 
 /// [`router`] with `extra` routes served as reads (behind the same guards), for tests of the

@@ -7,13 +7,18 @@
 //!    prompts (`bench-queries.jsonl`).
 //! 2. **Serve bounded**: `kvindex serve` on that data dir with `index.l1_max_bytes =
 //!    --l1-max-bytes`; its bounded load leaves what does not fit in RocksDB (L2).
-//! 3. **Load**: once the server's warm-up is done, `--connections` keep-alive connections (one
-//!    thread each, one request in flight each) post the bodies round-robin (`--batch` of them
-//!    per request to `/v1/lookup/batch`) for `--warmup` then `--seconds` seconds. Printed:
-//!    lookups/s, latency percentiles, non-200 answers, how many lookups went to L2 (from
-//!    `/v1/stats`), and the server's resident set against its budget.
+//! 3. **Load**: once the server's warm-up is done, every body is posted once (the answers'
+//!    mean size, and how many name an engine); then `--connections` keep-alive connections
+//!    (client threads, or `wrk` with `--wrk`; see `bench_load.rs`) post the bodies round-robin
+//!    (`--batch` of them per request to `/v1/lookup/batch`) for `--warmup` then `--seconds`
+//!    seconds, `--pairs` times. With `--baseline`, each phase is followed by one against the
+//!    same server's fixed-answer route of the answers' mean size (`api/baseline.rs`), so the
+//!    lookups' rate reads as a share of the HTTP stack's own. Printed: rates, latency
+//!    percentiles, non-200 answers, the server's CPU per lookup, how many lookups went to L2
+//!    (from `/v1/stats`), and the server's resident set against its budget.
 
 use super::bench_build;
+use super::bench_load::{LoadGenerator, Phase};
 use super::{SPAWN_TIMEOUT, STOP_TIMEOUT};
 use anyhow::{Context, bail};
 use kvindex::bench::harness::{HttpClient, Spawned};
@@ -21,8 +26,7 @@ use serde_json::Value;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 #[derive(clap::Args, Debug)]
 pub struct HttpArgs {
@@ -51,6 +55,21 @@ pub struct HttpArgs {
     /// Queries per request: above 1, each request posts that many to `/v1/lookup/batch`.
     #[arg(long, default_value_t = 1)]
     pub batch: usize,
+    /// Also load the same server's baseline route (`POST /bench/static`, a fixed answer of the
+    /// lookups' mean size: the HTTP stack's own limit) in phases alternating with the
+    /// lookups', and print the lookups' rate as a share of it.
+    #[arg(long)]
+    pub baseline: bool,
+    /// Measured phases of lookups (each followed by one of the baseline with `--baseline`).
+    #[arg(long, default_value_t = 1)]
+    pub pairs: usize,
+    /// Send the load with `wrk -t<wrk-threads> -c<connections>` instead of one client thread
+    /// per connection.
+    #[arg(long)]
+    pub wrk: bool,
+    /// wrk's threads (`-t`).
+    #[arg(long, default_value_t = 2)]
+    pub wrk_threads: usize,
 }
 
 /// `{"queries": [...]}` of the given lookup bodies.
@@ -76,90 +95,53 @@ fn with_limit(body: &[u8], n: usize) -> anyhow::Result<Vec<u8>> {
     Ok(out)
 }
 
-/// What one load phase did.
-#[derive(Default)]
-struct LoadReport {
-    /// Latencies of answered lookups, in microseconds.
-    latencies_us: Vec<u32>,
-    non_200: u64,
-    /// Answers naming at least one engine.
-    matched: u64,
-    elapsed: Duration,
-}
-
-impl LoadReport {
-    fn merge(&mut self, other: LoadReport) {
-        self.latencies_us.extend(other.latencies_us);
-        self.non_200 += other.non_200;
-        self.matched += other.matched;
-    }
-
-    fn percentile_us(&self, q: f64) -> u32 {
-        let n = self.latencies_us.len();
-        if n == 0 {
-            return 0;
-        }
-        self.latencies_us[((n - 1) as f64 * q).round() as usize]
-    }
-}
-
-/// One client thread: posts `queries` to `path` (starting at `first`) until `stop`.
-fn client(
+/// Posts every body once: the mean answer size in bytes and the share of 200 answers that
+/// named an engine (a bench whose queries miss measures nothing).
+fn survey_answers(
     addr: SocketAddr,
     path: &str,
-    queries: &[Vec<u8>],
-    first: usize,
-    stop: &AtomicBool,
-) -> anyhow::Result<LoadReport> {
+    bodies: &[Vec<u8>],
+) -> anyhow::Result<(usize, f64)> {
     let mut http = HttpClient::connect(addr)?;
-    let mut report = LoadReport::default();
-    let mut i = first;
-    while !stop.load(Ordering::Relaxed) {
-        let started = Instant::now();
-        let (status, body) = http.request("POST", path, &queries[i % queries.len()])?;
-        let took = started.elapsed();
-        if status == 200 {
-            report
-                .latencies_us
-                .push(took.as_micros().min(u32::MAX as u128) as u32);
-            report.matched += u64::from(body.windows(11).any(|w| w == b"\"engine_id\""));
-        } else {
-            report.non_200 += 1;
+    let (mut bytes, mut answered, mut matched) = (0usize, 0usize, 0usize);
+    for body in bodies {
+        let (status, answer) = http.request("POST", path, body)?;
+        if status != 200 {
+            bail!(
+                "{path} answered {status}: {}",
+                String::from_utf8_lossy(&answer)
+            );
         }
-        i += 1;
+        bytes += answer.len();
+        answered += 1;
+        matched += usize::from(answer.windows(11).any(|w| w == b"\"engine_id\""));
     }
-    Ok(report)
+    let n = answered.max(1);
+    Ok((bytes / n, matched as f64 / n as f64))
 }
 
-/// `connections` clients for `duration`; latencies sorted.
-fn load(
-    addr: SocketAddr,
-    path: &'static str,
-    queries: &Arc<Vec<Vec<u8>>>,
-    connections: usize,
-    duration: Duration,
-) -> anyhow::Result<LoadReport> {
-    let stop = Arc::new(AtomicBool::new(false));
-    let started = Instant::now();
-    let threads: Vec<_> = (0..connections)
-        .map(|c| {
-            let (queries, stop) = (queries.clone(), stop.clone());
-            let first = c * queries.len() / connections.max(1);
-            std::thread::spawn(move || client(addr, path, &queries, first, &stop))
-        })
-        .collect();
-    std::thread::sleep(duration);
-    stop.store(true, Ordering::Relaxed);
-    let mut report = LoadReport::default();
-    for t in threads {
-        let r = t
-            .join()
-            .map_err(|_| anyhow::anyhow!("a client thread panicked"))??;
-        report.merge(r);
+fn print_phase(label: &str, p: &Phase, per_request: usize) {
+    println!(
+        "{label}: {:.0} requests/s ({:.0} lookups/s) over {:.1} s; latency p50 {:.0} µs, p99 \
+         {:.0} µs, p99.9 {:.0} µs, max {:.0} µs; {} non-200",
+        p.requests_per_s(),
+        p.requests_per_s() * per_request as f64,
+        p.elapsed.as_secs_f64(),
+        p.p50_us,
+        p.p99_us,
+        p.p999_us,
+        p.max_us,
+        p.non_200,
+    );
+}
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    match xs.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => xs[n / 2],
+        n => (xs[n / 2 - 1] + xs[n / 2]) / 2.0,
     }
-    report.elapsed = started.elapsed();
-    report.latencies_us.sort_unstable();
-    Ok(report)
 }
 
 fn get_stats(addr: SocketAddr) -> anyhow::Result<Value> {
@@ -206,7 +188,10 @@ pub fn http(args: HttpArgs) -> anyhow::Result<()> {
     let config = args.data_dir.join("bench-http.toml");
     std::fs::write(
         &config,
-        format!("[index]\nl1_max_bytes = {}\n", args.l1_max_bytes),
+        format!(
+            "[index]\nl1_max_bytes = {}\n[http]\nbaseline_route = {}\n",
+            args.l1_max_bytes, args.baseline
+        ),
     )?;
 
     let served = Spawned::serve(
@@ -231,42 +216,75 @@ pub fn http(args: HttpArgs) -> anyhow::Result<()> {
         number(&before, "/writeback/l2_entries"),
     );
 
-    let run = |seconds| {
-        let duration = Duration::from_secs(seconds);
-        load(served.http, path, &queries, args.connections, duration)
+    let generator = match args.wrk {
+        true => LoadGenerator::Wrk {
+            threads: args.wrk_threads,
+            dir: args.data_dir.clone(),
+        },
+        false => LoadGenerator::Threads,
     };
-    run(args.warmup)?;
+    let (answer_bytes, matched) = survey_answers(served.http, path, &queries)?;
+    println!(
+        "answers: {answer_bytes} bytes per request on average; {:.1}% named an engine",
+        100.0 * matched
+    );
+    let static_path = format!("/bench/static?bytes={answer_bytes}");
+    let run = |path: &str, seconds| {
+        let duration = Duration::from_secs(seconds);
+        generator.run(served.http, path, &queries, args.connections, duration)
+    };
+    run(path, args.warmup)?;
+    if args.baseline {
+        run(&static_path, args.warmup)?;
+    }
     let start = get_stats(served.http)?;
-    let cpu_start = served.cpu_time();
-    let r = run(args.seconds)?;
-    let cpu_end = served.cpu_time();
+    let (mut cpu, mut answered, mut lookup_time) = (Duration::ZERO, 0u64, Duration::ZERO);
+    let (mut ratios, mut p99s) = (Vec::new(), Vec::new());
+    for pair in 1..=args.pairs.max(1) {
+        let cpu_start = served.cpu_time();
+        let lookups = run(path, args.seconds)?;
+        if let (Some(a), Some(b)) = (cpu_start, served.cpu_time()) {
+            cpu += b.saturating_sub(a);
+        }
+        answered += lookups.answered * args.batch as u64;
+        lookup_time += lookups.elapsed;
+        p99s.push(lookups.p99_us);
+        print_phase(&format!("[{pair}] lookups"), &lookups, args.batch);
+        if args.baseline {
+            let baseline = run(&static_path, args.seconds)?;
+            print_phase(&format!("[{pair}] baseline"), &baseline, 1);
+            let ratio = lookups.requests_per_s() / baseline.requests_per_s().max(1e-9);
+            println!("[{pair}] lookups / baseline = {ratio:.2}×");
+            ratios.push(ratio);
+        }
+    }
     let end = get_stats(served.http)?;
-    let requests = r.latencies_us.len() as u64;
-    let answered = requests * args.batch as u64;
     let delta = |path: &str| number(&end, path).saturating_sub(number(&start, path));
     println!(
-        "http: {answered} lookups in {requests} requests ({} per request) in {:.1} s over {} \
-         connections = {:.0} lookups/s; request latency p50 {} µs, p99 {} µs, p99.9 {} µs, \
-         max {} µs; {} non-200; {:.1}% named an engine",
-        args.batch,
-        r.elapsed.as_secs_f64(),
+        "over {} connections ({}): {:.0} lookups/s in {} per request; median p99 {:.0} µs",
         args.connections,
-        answered as f64 / r.elapsed.as_secs_f64(),
-        r.percentile_us(0.50),
-        r.percentile_us(0.99),
-        r.percentile_us(0.999),
-        r.percentile_us(1.0),
-        r.non_200,
-        100.0 * r.matched as f64 / requests.max(1) as f64,
+        match args.wrk {
+            true => format!("wrk -t{}", args.wrk_threads),
+            false => "client threads".to_owned(),
+        },
+        answered as f64 / lookup_time.as_secs_f64().max(1e-9),
+        args.batch,
+        median(p99s),
     );
+    if args.baseline {
+        println!(
+            "lookups / baseline: median {:.2}× of {} pairs",
+            median(ratios.clone()),
+            ratios.len()
+        );
+    }
     // The server's own CPU per lookup: what the load generator sharing the cores, and the
     // machine's other tenants, do not change much (throughput they do).
-    if let (Some(a), Some(b)) = (cpu_start, cpu_end) {
-        let used = b.saturating_sub(a);
+    if served.cpu_time().is_some() {
         println!(
             "server CPU: {:.1} µs per lookup ({:.2} cores busy on average)",
-            used.as_secs_f64() * 1e6 / answered.max(1) as f64,
-            used.as_secs_f64() / r.elapsed.as_secs_f64(),
+            cpu.as_secs_f64() * 1e6 / answered.max(1) as f64,
+            cpu.as_secs_f64() / lookup_time.as_secs_f64().max(1e-9),
         );
     }
     println!(

@@ -242,6 +242,10 @@ pub struct HttpConfig {
     /// Most engines in one `GET /v1/engines` page; a larger `limit` is lowered to it (at least
     /// 1).
     pub max_page_size: usize,
+    /// Also serve `POST /bench/static?bytes=N` (read the body, answer `N` bytes of fixed
+    /// JSON) behind the read routes' guards: the HTTP stack's own rate on this machine, the
+    /// baseline `kvindex bench http --baseline` holds lookups against. Off in production.
+    pub baseline_route: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -395,6 +399,7 @@ impl Default for HttpConfig {
             request_timeout_ms: 10_000,
             max_concurrent_requests: 1024,
             max_page_size: 1000,
+            baseline_route: false,
         }
     }
 }

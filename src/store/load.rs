@@ -138,6 +138,7 @@ impl Store {
                 l.engine_row(self, into, id, last_seen, &pids).map(drop)
             },
         )?;
+        into.rank_restored_engines();
         Ok(l)
     }
 
@@ -336,7 +337,11 @@ impl ShardLoad {
     fn engine(&mut self, store: &Store, into: &mut Shard, id: u32) -> Result<u32, StoreError> {
         match self.engines.get(&id) {
             Some(&eid) => Ok(eid),
-            None => self.engine_row(store, into, id, 0, &[]),
+            None => {
+                let eid = self.engine_row(store, into, id, 0, &[])?;
+                into.rank_restored_engines();
+                Ok(eid)
+            }
         }
     }
 }

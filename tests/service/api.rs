@@ -741,6 +741,32 @@ async fn unknown_paths_and_methods_answer_json() {
 }
 
 #[tokio::test]
+async fn the_baseline_route_is_served_only_when_configured() {
+    let (state, _) = fixture();
+    let app = api::router(state.clone());
+    let (status, _) = call_json(&app, "POST", "/bench/static?bytes=100", Some("{}")).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+
+    let app = api::router(AppState {
+        baseline_route: true,
+        ..state
+    });
+    for bytes in [0usize, 10, 1234] {
+        let path = format!("/bench/static?bytes={bytes}");
+        let (status, headers, body) = call(&app, "POST", &path, Some(b"{}".to_vec())).await;
+        assert_eq!(status, StatusCode::OK, "{path}");
+        assert_eq!(
+            headers.get(header::CONTENT_TYPE).unwrap(),
+            "application/json"
+        );
+        assert_eq!(body.len(), bytes.max(10), "{path}");
+        serde_json::from_slice::<Value>(&body).unwrap();
+    }
+    let (status, _) = call_json(&app, "POST", "/bench/static?bytes=99999999", Some("{}")).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+}
+
+#[tokio::test]
 async fn engines_stats_and_probes() {
     let (state, ready) = fixture();
     let app = api::router(state.clone());

@@ -244,6 +244,17 @@ impl Shard {
         if let Some(&id) = self.engine_ids.get(name) {
             return Ok(id);
         }
+        let id = self.intern_engine_unranked(name)?;
+        self.rank_engines();
+        Ok(id)
+    }
+
+    /// Adds engine `name` without ranking it: a restore interns every engine first and ranks
+    /// them once ([`Shard::rank_engines`]), not once per engine.
+    fn intern_engine_unranked(&mut self, name: &str) -> Result<EngineIdx, SkipReason> {
+        if let Some(&id) = self.engine_ids.get(name) {
+            return Ok(id);
+        }
         debug_assert!(!name.is_empty(), "events name their engine");
         let state = EngineState {
             name: Arc::from(name),
@@ -267,14 +278,13 @@ impl Shard {
             }
         };
         self.engine_ids.insert(name.to_string(), id);
-        self.rank_engines();
         Ok(id)
     }
 
     /// Recomputes every engine's rank by name, so lookups can order rows by engine id with
     /// integer compares. O(E log E) per new engine: engines join rarely (a fleet has thousands,
     /// not millions), lookups are constant.
-    fn rank_engines(&mut self) {
+    pub(super) fn rank_engines(&mut self) {
         let mut order: Vec<EngineIdx> = (0..self.engines.len() as EngineIdx).collect();
         order.sort_unstable_by(|&a, &b| {
             self.engines[a as usize]

@@ -156,20 +156,27 @@ impl Shard {
     }
 
     /// Interns engine `name` (restore) with its liveness and the partitions (ids from
-    /// [`Shard::restore_partition`]) it has hash maps in.
+    /// [`Shard::restore_partition`]) it has hash maps in. Engines restored this way are not
+    /// ranked by name until [`Shard::rank_restored_engines`]: call it after the last one and
+    /// before the shard answers a lookup (ranking per engine would cost O(E² log E)).
     pub fn restore_engine(
         &mut self,
         name: &str,
         last_seen_us: i64,
         partitions: &[u32],
     ) -> Result<EngineIdx, SkipReason> {
-        let eid = self.intern_engine(name)?;
+        let eid = self.intern_engine_unranked(name)?;
         let e = &mut self.engines[eid as usize];
         e.last_seen_us = e.last_seen_us.max(last_seen_us);
         for &pid in partitions {
             self.part_slot(eid, pid);
         }
         Ok(eid)
+    }
+
+    /// Ranks the engines restored so far by name, as lookups order them.
+    pub fn rank_restored_engines(&mut self) {
+        self.rank_engines();
     }
 
     /// Restores one entry of `eid`'s hash map in `pid` (ids from the restore calls above).
