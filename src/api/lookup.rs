@@ -54,9 +54,18 @@ fn render(a: &Answered) -> Vec<u8> {
 }
 
 /// About how many bytes [`render`] writes for `a`.
+/// A little over: growing a buffer of a thousand rows copies it again at every doubling.
 pub(super) fn rendered_size_hint(a: &Answered) -> usize {
-    const ROW_BYTES: usize = 96;
-    160 + a.partition.model.len() + a.answer.len() * ROW_BYTES
+    // A row without its engine id: keys, punctuation and up to ~20 digits of counts.
+    const ROW_BYTES: usize = 128;
+    const SCORE_BYTES: usize = 32;
+    let p = &a.partition;
+    let per_row = ROW_BYTES + if a.answer.is_scored() { SCORE_BYTES } else { 0 };
+    160 + p.model.len()
+        + p.tenant.len()
+        + p.adapter.len()
+        + a.answer.len() * per_row
+        + a.answer.engine_id_bytes()
 }
 
 /// [`render`], appending to `out`.

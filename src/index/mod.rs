@@ -152,6 +152,17 @@ impl Answer {
     pub fn is_empty(&self) -> bool {
         self.rows.is_empty()
     }
+    /// Whether rows carry a score (the lookup gave tier weights).
+    pub fn is_scored(&self) -> bool {
+        self.weights.is_some()
+    }
+    /// Total bytes of the engine ids the rows name (to size a rendered answer).
+    pub fn engine_id_bytes(&self) -> usize {
+        self.rows
+            .iter()
+            .map(|(s, m)| self.names[*s as usize][m.engine as usize].len())
+            .sum()
+    }
     pub fn iter(&self) -> impl ExactSizeIterator<Item = Match<'_>> + '_ {
         self.rows.iter().map(|(s, m)| Match {
             engine_id: &self.names[*s as usize][m.engine as usize],

@@ -202,6 +202,43 @@ fn emit(
     }
 }
 
+thread_local! {
+    /// [`sort_by_rank`]'s table: per name rank, the index of its row in the group, or `NONE`.
+    static RANK_SLOTS: RefCell<(Vec<u32>, Vec<RawMatch>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// Orders `group` (rows of distinct engines) by `rank[engine]`, a permutation of the shard's
+/// engines. A group that holds a good share of the shard's engines (a prefix the whole fleet
+/// shares) is ordered by one pass over a rank-indexed table, O(engines), instead of a
+/// comparison sort's O(g log g) random loads of ranks; a small group is sorted.
+fn sort_by_rank(group: &mut [RawMatch], rank: &[u32]) {
+    const NONE: u32 = u32::MAX;
+    let key = |m: &RawMatch| rank[m.engine as usize];
+    if group.is_sorted_by_key(key) {
+        return;
+    }
+    if group.len() < 32 || rank.len() > group.len() * 8 {
+        group.sort_unstable_by_key(key);
+        return;
+    }
+    RANK_SLOTS.with(|cell| {
+        let (slots, sorted) = &mut *cell.borrow_mut();
+        slots.clear();
+        slots.resize(rank.len(), NONE);
+        for (i, m) in group.iter().enumerate() {
+            slots[key(m) as usize] = i as u32;
+        }
+        sorted.clear();
+        sorted.extend(
+            slots
+                .iter()
+                .filter(|&&i| i != NONE)
+                .map(|&i| group[i as usize]),
+        );
+        group.copy_from_slice(sorted);
+    });
+}
+
 impl Shard {
     /// [`Shard::lookup`], sorted by `matched` descending then engine name, and cut to the best
     /// `limit` rows (`usize::MAX`: all). Only the groups of equal `matched` that reach into the
@@ -239,8 +276,8 @@ impl Shard {
             if want < group.len() {
                 group.select_nth_unstable_by_key(want - 1, key);
                 group[..want].sort_unstable_by_key(key);
-            } else if !group.is_sorted_by_key(key) {
-                group.sort_unstable_by_key(key);
+            } else {
+                sort_by_rank(group, rank);
             }
             i = end;
         }
@@ -346,6 +383,47 @@ impl Shard {
             self.table.dense.get(key)
         } else {
             None
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A permutation of `0..n` from a small xorshift generator.
+    fn shuffled(n: u32, seed: &mut u64) -> Vec<u32> {
+        let mut v: Vec<u32> = (0..n).collect();
+        for i in (1..v.len()).rev() {
+            *seed ^= *seed << 13;
+            *seed ^= *seed >> 7;
+            *seed ^= *seed << 17;
+            v.swap(i, (*seed % (i as u64 + 1)) as usize);
+        }
+        v
+    }
+
+    #[test]
+    fn rank_order_matches_a_sort_by_rank_whichever_way_it_is_taken() {
+        let mut seed = 0x9e37_79b9_7f4a_7c15;
+        // (engines, group size): small groups, groups that are a small share of many engines
+        // (comparison sort), and groups that are most of the engines (the rank table).
+        for (engines, size) in [(10, 5), (1000, 20), (5000, 100), (700, 650), (64, 64)] {
+            let rank = shuffled(engines, &mut seed);
+            let members = shuffled(engines, &mut seed);
+            let mut group: Vec<RawMatch> = members[..size]
+                .iter()
+                .map(|&engine| RawMatch {
+                    engine,
+                    matched: 3,
+                    tier: Tier::Gpu,
+                    mix: TierMix::default(),
+                })
+                .collect();
+            let mut want = group.clone();
+            want.sort_by_key(|m| rank[m.engine as usize]);
+            sort_by_rank(&mut group, &rank);
+            assert_eq!(group, want, "{engines} engines, {size} rows");
         }
     }
 }
