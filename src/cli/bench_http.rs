@@ -122,10 +122,10 @@ fn survey_answers(
 
 fn print_phase(label: &str, p: &Phase, per_request: usize) {
     println!(
-        "{label}: {:.0} requests/s ({:.0} lookups/s) over {:.1} s; latency p50 {:.0} µs, p99 \
+        "{label}: {:.0} lookups/s in {:.0} requests/s over {:.1} s; latency p50 {:.0} µs, p99 \
          {:.0} µs, p99.9 {:.0} µs, max {:.0} µs; {} non-200",
-        p.requests_per_s(),
         p.requests_per_s() * per_request as f64,
+        p.requests_per_s(),
         p.elapsed.as_secs_f64(),
         p.p50_us,
         p.p99_us,
