@@ -45,7 +45,7 @@ fn bench_replay(c: &mut Criterion) {
             b.iter_custom(|iters| {
                 (0..iters)
                     .map(|_| {
-                        trace::run(&ops, shards, 1)
+                        trace::run(&ops, shards, 1, false)
                             .expect("every lookup matches the reference")
                             .elapsed
                     })

@@ -3,6 +3,7 @@
 
 use kvindex::bench::trace::{self, ReplayError};
 use std::path::PathBuf;
+use std::time::Duration;
 
 fn workload() -> PathBuf {
     PathBuf::from(concat!(
@@ -16,10 +17,20 @@ fn the_head_of_the_mooncake_trace_matches_every_reference_answer() {
     let trace = trace::load(&workload(), None).expect("the trace fixture loads");
     assert!(trace.finds > 500, "the prefix holds finds: {}", trace.finds);
     for shards in [1, 2] {
-        let report = trace::run(&trace, shards, 1).expect("every find matches its expect");
+        let report = trace::run(&trace, shards, 1, false).expect("every find matches its expect");
         assert_eq!(report.skipped, 0, "no store or remove may be skipped");
         assert!(report.memberships > 0);
+        assert_eq!(
+            report.split,
+            [Duration::ZERO; 3],
+            "events are timed only when asked"
+        );
     }
+    let split = trace::run(&trace, 1, 1, true).expect("answers match").split;
+    assert!(
+        split.iter().all(|d| !d.is_zero()),
+        "stores, removes and finds each timed: {split:?}"
+    );
 }
 
 #[test]
@@ -37,7 +48,7 @@ fn a_wrong_reference_answer_fails_the_run_with_its_line() {
         "\n",
     );
     let trace = trace::parse(text.as_bytes(), None).expect("parses");
-    match trace::run(&trace, 1, 1) {
+    match trace::run(&trace, 1, 1, true) {
         Err(ReplayError::Mismatch {
             line,
             expected,
@@ -59,6 +70,6 @@ fn a_wrong_reference_answer_fails_the_run_with_its_line() {
     );
     let trace = trace::parse(fixed.as_bytes(), None).expect("parses");
     for shards in [1, 2] {
-        trace::run(&trace, shards, 1).expect("answers match");
+        trace::run(&trace, shards, 1, false).expect("answers match");
     }
 }
