@@ -55,6 +55,9 @@ enum BenchCommand {
     /// The engine bridge inside `serve`: throughput against producing straight into the
     /// broker, and publish-to-visible latency.
     Bridge(cli::bench_bridge::BridgeArgs),
+    /// JetStream ingest: `kvindex serve` indexing a pre-filled stream durably, against a plain
+    /// pull consumer draining the same stream.
+    Ingest(cli::bench_ingest::IngestArgs),
 }
 
 fn init_tracing() {
@@ -88,6 +91,7 @@ fn main() -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Restart(args)) => cli::bench_restart::restart(args),
         Command::Bench(BenchCommand::Http(args)) => cli::bench_http::http(args),
         Command::Bench(BenchCommand::Bridge(args)) => cli::bench_bridge::bridge(args),
+        Command::Bench(BenchCommand::Ingest(args)) => cli::bench_ingest::ingest(args),
     }
 }
 

@@ -42,6 +42,7 @@ pub mod bench;
 pub mod bench_bridge;
 pub mod bench_build;
 pub mod bench_http;
+pub mod bench_ingest;
 pub mod bench_load;
 pub mod bench_restart;
 pub mod bridge;

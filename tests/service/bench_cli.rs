@@ -110,3 +110,39 @@ fn bench_restart_times_restarts() {
     assert!(out.contains("built "), "{out}");
     assert!(figure_before(&out, "ms (min") > 0.0, "{out}");
 }
+
+/// Against the local NATS server (JetStream), which the tests need anyway: every format the
+/// bench takes is indexed completely (the bench itself checks the block count and that nothing
+/// was malformed) and both rates are reported.
+#[test]
+fn bench_ingest_holds_serve_against_a_plain_drain_of_the_same_stream() {
+    for format in ["json", "proto", "vllm"] {
+        let dir = tempfile::tempdir().unwrap();
+        let out = kvindex(&[
+            "bench",
+            "ingest",
+            "--data-dir",
+            dir.path().join("bench").to_str().unwrap(),
+            "--messages",
+            "300",
+            "--engines",
+            "4",
+            "--pairs",
+            "2",
+            "--format",
+            format,
+        ]);
+        assert!(out.contains("300 "), "{out}");
+        assert!(figure_before(&out, "k msgs/s, kvindex") > 0.0, "{out}");
+        assert!(figure_before(&out, "k msgs/s (") > 0.0, "{out}");
+        assert!(out.contains("pair 1:"), "{out}");
+        let ratio: f64 = out
+            .rsplit("ratio ")
+            .next()
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("no closing ratio in:\n{out}"));
+        assert!(ratio > 0.0, "{out}");
+    }
+}
