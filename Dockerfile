@@ -14,8 +14,10 @@ RUN apt-get update \
       protobuf-compiler libclang-dev g++ make \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
-COPY Cargo.toml Cargo.lock build.rs ./
+COPY Cargo.toml Cargo.lock ./
 COPY proto ./proto
+COPY wire ./wire
+COPY config ./config
 COPY src ./src
 # Cargo.toml names the benches; the manifest does not parse without their files.
 COPY benches ./benches

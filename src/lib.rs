@@ -23,8 +23,8 @@
 pub mod api;
 pub mod bench;
 pub mod bridge;
-pub mod config;
-pub mod event;
+pub use kvindex_config as config;
+pub use kvindex_wire::event;
 pub mod index;
 pub mod ingest;
 pub mod metrics;

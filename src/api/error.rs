@@ -44,6 +44,12 @@ pub enum ApiError {
     Timeout { ms: u64 },
 }
 
+impl From<kvindex_wire::lookup::BadRequest> for ApiError {
+    fn from(e: kvindex_wire::lookup::BadRequest) -> ApiError {
+        ApiError::BadRequest(e.0)
+    }
+}
+
 impl ApiError {
     pub fn bad_request(msg: impl Into<String>) -> ApiError {
         ApiError::BadRequest(msg.into())

@@ -11,10 +11,12 @@ pub mod health;
 pub mod limits;
 pub mod lookup;
 pub mod lookup_batch;
-pub mod request;
 pub mod sidecar;
 pub mod stats;
 pub mod tls;
+
+/// The lookup body parser lives in the wire crate (it is part of the contract routers speak).
+pub use kvindex_wire::lookup as request;
 
 use crate::bridge::BridgeStats;
 use crate::config::ConfigError;

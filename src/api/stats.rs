@@ -95,11 +95,12 @@ pub struct PageQuery {
     cursor: Option<String>,
 }
 
-/// A page request: at most `limit` engines with ids after `after`.
+/// A page request: at most `limit` engines with ids after `after` (bytes, so any cursor is a
+/// position in the order of the ids, even one no id starts with).
 #[derive(Debug, PartialEq, Eq)]
 struct Page {
     limit: usize,
-    after: Option<String>,
+    after: Option<Vec<u8>>,
 }
 
 impl PageQuery {
@@ -120,17 +121,12 @@ impl PageQuery {
         };
         let after = match self.cursor.as_deref() {
             None | Some("") => None,
-            Some(c) => Some(
-                hex::decode(c)
-                    .ok()
-                    .and_then(|b| String::from_utf8(b).ok())
-                    .ok_or_else(|| {
-                        ApiError::bad_request(
-                            "cursor: not a cursor this server gave (pass `next` from the \
-                             previous page as is)",
-                        )
-                    })?,
-            ),
+            Some(c) => Some(hex::decode(c).map_err(|_| {
+                ApiError::bad_request(
+                    "cursor: not a cursor this server gave (pass `next` from the previous page \
+                     as is)",
+                )
+            })?),
         };
         Ok(Page { limit, after })
     }
@@ -179,10 +175,9 @@ pub async fn engines(
         bridge: Some(stream.clone()),
     }));
     rows.sort_by(|a, b| a.engine_id.cmp(b.engine_id));
-    let start = page
-        .after
-        .as_deref()
-        .map_or(0, |after| rows.partition_point(|r| r.engine_id <= after));
+    let start = page.after.as_deref().map_or(0, |after| {
+        rows.partition_point(|r| r.engine_id.as_bytes() <= after)
+    });
     let rest = &rows[start..];
     let served = &rest[..rest.len().min(page.limit)];
     let next = (served.len() < rest.len())
@@ -348,14 +343,19 @@ mod tests {
         let cursor = hex::encode("engine#dp1");
         assert_eq!(
             page(None, Some(&cursor)).unwrap().after.as_deref(),
-            Some("engine#dp1")
+            Some(b"engine#dp1".as_slice())
         );
         assert_eq!(page(None, Some("")).unwrap().after, None);
+        // Any hex is a position, even bytes no engine id holds.
+        assert_eq!(
+            page(None, Some("ff")).unwrap().after.as_deref(),
+            Some(b"\xff".as_slice())
+        );
         for bad in ["0", "-1", "x", ""] {
             let e = page(Some(bad), None).unwrap_err().to_string();
             assert!(e.starts_with("limit: "), "{e}");
         }
-        for bad in ["zz", "abc", "ff"] {
+        for bad in ["zz", "abc", "f"] {
             let e = page(None, Some(bad)).unwrap_err().to_string();
             assert!(e.starts_with("cursor: "), "{e}");
         }

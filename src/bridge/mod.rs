@@ -12,7 +12,8 @@
 //! everything the engine still buffers.
 //!
 //! Files, one concern each:
-//! - `frames.rs`: the ZeroMQ frames (live, replay request, both replay reply forms);
+//! - `frames` (from the wire crate): the ZeroMQ frames (live, replay request, both replay
+//!   reply forms);
 //! - `sequencer.rs`: the sequence rules per stream (forward, duplicate, gap, restart, probe);
 //! - `link.rs`: one engine endpoint's thread (SUB socket, monitor, replays, fences);
 //! - `replay.rs`: the bounded DEALER replay client;
@@ -21,7 +22,7 @@
 //! - `ledger.rs`: durable positions per stream, kept across restarts;
 //! - `stats.rs`: the counters behind `/v1/stats`, `/v1/engines` and `kvindex_bridge_*`.
 
-pub mod frames;
+pub use kvindex_wire::frames;
 pub mod ledger;
 pub mod link;
 pub mod output;
@@ -37,6 +38,7 @@ pub use stats::{BridgeStats, FenceReason, StreamReport};
 
 use crate::config::{Config, ConfigError, SourceKind};
 use crate::event::VllmSettings;
+use crate::source::nats::NatsAuth;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
@@ -210,6 +212,7 @@ pub fn sink_for(config: &Config, embedded: Option<String>) -> Result<SinkSpec, C
                 stream: nats.stream.clone(),
                 subjects: nats.subjects.clone(),
                 prefix: prefix.to_string(),
+                auth: Box::new(NatsAuth::from(nats)),
             })
         }
     }

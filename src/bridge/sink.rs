@@ -13,6 +13,7 @@
 use super::ledger::{Ledger, Ticket};
 use super::output::Record;
 use crate::source::SourceError;
+use crate::source::nats::NatsAuth;
 use crate::util::{Backoff, LogEvery};
 use async_nats::jetstream;
 use futures::FutureExt as _;
@@ -49,6 +50,8 @@ pub enum SinkSpec {
         subjects: Vec<String>,
         /// Records go to `<prefix>.<key>`.
         prefix: String,
+        /// TLS and credentials (boxed: the largest part of the spec, seldom set).
+        auth: Box<NatsAuth>,
     },
 }
 
@@ -97,7 +100,8 @@ pub async fn run(
             stream,
             subjects,
             prefix,
-        } => run_nats(&url, &stream, &subjects, &prefix, ledger, rx).await,
+            auth,
+        } => run_nats(&url, &auth, &stream, &subjects, &prefix, ledger, rx).await,
     }
 }
 
@@ -175,6 +179,7 @@ async fn run_kafka(
 
 async fn run_nats(
     url: &str,
+    auth: &NatsAuth,
     stream: &str,
     subjects: &[String],
     prefix: &str,
@@ -185,7 +190,9 @@ async fn run_nats(
         |what: &str, e: &dyn std::fmt::Display| SourceError::Nats(format!("bridge {what}: {e}"));
     let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
     let client = loop {
-        match async_nats::ConnectOptions::new()
+        match auth
+            .options()
+            .await?
             .name("kvindex-bridge")
             .retry_on_initial_connect()
             .connect(url)

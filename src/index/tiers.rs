@@ -1,7 +1,9 @@
 //! Holdings by tier in the index: what an engine holds per tier, how a matched prefix sits on
 //! the tiers it is held on, and the weights a router ranks prefixes by. The tier sets
-//! themselves are part of the event contract ([`crate::event::TierSet`]).
+//! themselves, and the weights a lookup may give, are part of the wire contract
+//! ([`crate::event::TierSet`], [`TierWeights`]).
 
+pub use crate::event::TierWeights;
 use crate::event::{Tier, TierSet};
 
 /// How an engine holds the blocks of a matched prefix: `by_set[s]` counts the blocks it holds
@@ -41,28 +43,6 @@ impl TierMix {
 
     fn gpu_only(&self, matched: u32) -> u32 {
         matched - self.by_set.iter().sum::<u32>()
-    }
-}
-
-/// What a block held on each tier is worth to a router, for ranking by a weighted prefix
-/// score (e.g. GPU 1.0, CPU 0.8, disk 0.5). A tier left out weighs 1, like every block in the
-/// default ranking.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct TierWeights(pub [f64; 3]);
-
-impl Default for TierWeights {
-    fn default() -> Self {
-        TierWeights([1.0; 3])
-    }
-}
-
-impl TierWeights {
-    pub fn of(&self, tier: Tier) -> f64 {
-        self.0[tier as usize]
-    }
-    /// The highest weight among `tiers` (0 for none).
-    pub fn best(&self, tiers: TierSet) -> f64 {
-        tiers.iter().map(|t| self.of(t)).fold(0.0, f64::max)
     }
 }
 

@@ -161,8 +161,12 @@ async fn acknowledge(
     if durable.is_empty() {
         return;
     }
+    crate::util::crash_point("ack.before");
     match source.commit(&durable).await {
-        Ok(()) => acked.extend(durable),
+        Ok(()) => {
+            crate::util::crash_point("ack.after");
+            acked.extend(durable)
+        }
         Err(e) => {
             tracing::warn!(source = name, error = %e, "acknowledging durable offsets upstream failed (retried; the checkpoint still holds)")
         }

@@ -173,6 +173,7 @@ impl ShardWarmUp {
     ) -> bool {
         let mut counted = 0;
         let result = store.finish_load(&mut self.load, lock, |s| {
+            crate::util::crash_point("warmup.chunk");
             let rows = s.map_entries + s.blocks;
             self.status
                 .rows

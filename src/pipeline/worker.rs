@@ -450,6 +450,7 @@ impl Worker {
         let written = self.ctx.store.commit(self.shard as u16, &changes, &offsets);
         match written {
             Ok(()) => {
+                crate::util::crash_point("commit.written");
                 permit.succeeded();
                 let mut shard = lock.write();
                 self.ctx.store.after_commit(&mut shard, &changes);

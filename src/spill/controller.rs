@@ -525,6 +525,7 @@ impl<L: SpillL1, S: L2Sink> SpillController<L, S> {
             self.write(&rows, deadline)?;
             outcome.written = rows.len();
         }
+        crate::util::crash_point("evict.durable");
         outcome.removal = self.l1.remove_if_unchanged(&stamps);
         SpillMetrics::add(&self.metrics.entries_evicted, outcome.removal.removed);
         SpillMetrics::add(&self.metrics.entries_kept_changed, outcome.removal.kept);

@@ -193,6 +193,7 @@ impl Store {
             batch.put_cf(offsets_cf, &value, next.to_be_bytes());
         }
 
+        crate::util::crash_point("commit.built");
         let written = self.db.write_opt(batch, &self.write_opts);
         if let (Some(mut reg), Ok(())) = (reg, &written) {
             reg.engines.mark_written();

@@ -23,7 +23,10 @@
 //! # Durability
 //! The WAL is always on. `sync = false` (the default) survives `kill -9`: a written batch is in
 //! the OS page cache. Power-loss safety needs `sync = true` (an fsync per commit). RocksDB
-//! recovers a prefix of the WAL, so a batch is never half there.
+//! recovers the longest consistent prefix of the WAL (point-in-time recovery), so a batch is
+//! never half there, even when a power loss garbled the WAL's tail. A table file that fails
+//! its checksums is never served from: opening it (footer, index) or the warm-up reading it
+//! (data blocks) fails the start with RocksDB's error, which names the file.
 
 mod codec;
 mod commit;
@@ -41,8 +44,8 @@ use codec::*;
 use parking_lot::Mutex;
 use registry::Registry;
 use rocksdb::{
-    BlockBasedOptions, Cache, ColumnFamily, ColumnFamilyDescriptor, DB, DBCompressionType, Options,
-    ReadOptions, WriteBatch, WriteOptions,
+    BlockBasedOptions, Cache, ColumnFamily, ColumnFamilyDescriptor, DB, DBCompressionType,
+    DBRecoveryMode, Options, ReadOptions, WriteBatch, WriteOptions,
 };
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -205,6 +208,10 @@ impl Store {
         // families change little, and would otherwise keep old WAL files alive), so the time to
         // the first lookup does not grow with how much was written since the last flush.
         db_opts.set_max_total_wal_size(64 << 20);
+        // A WAL whose tail was lost or garbled (a power loss before the page cache reached
+        // the disk) recovers its longest consistent prefix of whole batches, so rows and the
+        // offsets written with them stay together and the source is re-read from there.
+        db_opts.set_wal_recovery_mode(DBRecoveryMode::PointInTime);
         db_opts.increase_parallelism(2);
         db_opts.set_db_write_buffer_size(MEMTABLE_BYTES);
         // Concurrent writers (one per shard) insert into the memtables without waiting for

@@ -1,10 +1,13 @@
-//! Small helpers every layer uses: retry [`Backoff`], rate-limited logging ([`LogEvery`]) and
-//! wall-clock time in unix microseconds ([`time`]).
+//! Small helpers every layer uses: retry [`Backoff`], rate-limited logging ([`LogEvery`]),
+//! wall-clock time in unix microseconds ([`time`]), and the crash points tests arm at the
+//! durability boundaries ([`crash_point`]).
 
 pub mod backoff;
+pub mod crash_point;
 pub mod log_every;
 pub mod time;
 
 pub use backoff::Backoff;
+pub use crash_point::crash_point;
 pub use log_every::LogEvery;
 pub use time::{now_us, parse_rfc3339_us};

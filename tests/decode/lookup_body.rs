@@ -172,7 +172,7 @@ fn mutate(rng: &mut Rng, body: &str) -> Vec<u8> {
 }
 
 fn answer(
-    r: Result<kvindex::api::request::LookupRequest, kvindex::api::error::ApiError>,
+    r: Result<kvindex::api::request::LookupRequest, kvindex::api::request::BadRequest>,
 ) -> String {
     format!("{:?}", r.map_err(|e| e.to_string()))
 }

@@ -1,8 +1,9 @@
 //! Crash safety of the real binary: `kvindex serve` consumes a Kafka topic (a librdkafka mock
 //! cluster owned by this test, so the log outlives every kvindex process) and is SIGKILLed at
-//! random moments, 24 times (while starting, consuming and committing), while events keep
-//! arriving. After a last clean run has caught up, its durable state, loaded the way a restart
-//! loads it, must equal a reference index folded over every produced event: nothing lost.
+//! random moments, 24 times (`CRASH_TRIALS` for more; while starting, consuming and
+//! committing), while events keep arriving. After a last clean run has caught up, its durable
+//! state, loaded the way a restart loads it, must equal a reference index folded over every
+//! produced event: nothing lost.
 //! Nothing is applied out of order either: a re-read after a crash re-applies a suffix of a
 //! partition in order, onto state that already holds it, which converges because every
 //! mutation is an assignment; that the re-read is skipped (and counted) rather than re-applied
@@ -12,18 +13,41 @@
 //! (64 KiB), so most of the state lives only in RocksDB (L2) and every crash also interrupts
 //! eviction and read-through, and with a tiny one while engines reuse block hashes for other
 //! content.
+//!
+//! A fourth run damages the write-ahead log after every kill, as a power loss would (a
+//! `kill -9` leaves the WAL whole in the page cache; a power loss loses or garbles its unsynced
+//! tail): RocksDB's point-in-time recovery keeps the longest consistent prefix of the log, whose
+//! batches hold rows and offsets together, so the next run resumes from the offsets that prefix
+//! holds and re-reads the rest from the source.
+//!
+//! Two more runs, one per source (the Kafka topic; a JetStream stream on the local NATS
+//! server), let the process die by itself at each crash point in turn (`KVINDEX_CRASH_AT`,
+//! `kvindex::util::crash_point`): exactly between the steps of a durability boundary, where a
+//! random kill rarely lands.
 
+use crate::support::brokers::NATS_URL;
 use crate::support::*;
 use kvindex::config::Config;
+use kvindex::event::Event;
 use kvindex::index::{Index, IndexSettings};
 use kvindex::service::Service;
 use kvindex::sim::{Fleet, FleetSettings, Rng};
-use kvindex::source::{EmbeddedBroker, KafkaPublisher};
-use std::process::{Command, Stdio};
+use kvindex::source::{EmbeddedBroker, KafkaPublisher, NatsPublisher};
+use std::os::unix::process::ExitStatusExt;
+use std::path::Path;
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::Duration;
 
 const TOPIC: &str = "kv-crash";
+/// Kills per run in CI; `CRASH_TRIALS` asks for more (RELIABILITY.md's long runs).
 const TRIALS: usize = 24;
+
+fn trials() -> usize {
+    std::env::var("CRASH_TRIALS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(TRIALS)
+}
 const REQUESTS_PER_TRIAL: usize = 120;
 const SEED: u64 = 0x6b76_696e_6465_7831;
 
@@ -42,12 +66,26 @@ fn fleet_config() -> FleetSettings {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_at_random_moments_loses_nothing_and_applies_nothing_twice() {
-    crash_trials(None, false).await;
+    crash_trials(
+        Source::Kafka,
+        None,
+        false,
+        Kill::AtRandom,
+        AfterKill::Nothing,
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_with_a_tiny_l1_loses_nothing_either() {
-    crash_trials(Some(64 << 10), false).await;
+    crash_trials(
+        Source::Kafka,
+        Some(64 << 10),
+        false,
+        Kill::AtRandom,
+        AfterKill::Nothing,
+    )
+    .await;
 }
 
 /// Engines that reuse a block hash for other content once the first is gone: replaying a log
@@ -55,11 +93,232 @@ async fn sigkill_with_a_tiny_l1_loses_nothing_either() {
 /// commits first), since a newer row for a reused parent hash would re-key its children.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_with_reused_hashes_and_a_tiny_l1_loses_nothing_either() {
-    crash_trials(Some(64 << 10), true).await;
+    crash_trials(
+        Source::Kafka,
+        Some(64 << 10),
+        true,
+        Kill::AtRandom,
+        AfterKill::Nothing,
+    )
+    .await;
 }
 
-async fn crash_trials(l1_max_bytes: Option<u64>, reuse_hashes: bool) {
-    let broker = EmbeddedBroker::start(TOPIC, 4).unwrap();
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_torn_wal_tail_after_each_kill_recovers_a_consistent_prefix_and_loses_nothing() {
+    crash_trials(
+        Source::Kafka,
+        Some(64 << 10),
+        false,
+        Kill::AtRandom,
+        AfterKill::TearWal,
+    )
+    .await;
+}
+
+/// Every crash point (`kvindex::util::crash_point`) in turn, each armed for its 1st to 3rd
+/// pass: the process dies exactly between two steps of a durability boundary (the batch built
+/// and not written, written and not known durable, durable and not acknowledged upstream,
+/// durable in L2 and not yet dropped from L1, half loaded), with a tiny L1 so that eviction
+/// and warm-up pass their points too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_at_every_durability_boundary_loses_nothing_and_applies_nothing_twice() {
+    crash_trials(
+        Source::Kafka,
+        Some(64 << 10),
+        false,
+        Kill::AtCrashPoints,
+        AfterKill::Nothing,
+    )
+    .await;
+}
+
+/// The same on a JetStream stream, where "acknowledged upstream" is a NATS ack.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_at_every_durability_boundary_of_the_nats_source_loses_nothing() {
+    crash_trials(
+        Source::Nats,
+        Some(64 << 10),
+        false,
+        Kill::AtCrashPoints,
+        AfterKill::Nothing,
+    )
+    .await;
+}
+
+/// Which log the trials' events go through; it outlives every kvindex process.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Source {
+    /// A topic of a librdkafka mock cluster this test owns.
+    Kafka,
+    /// A stream of its own on the local NATS server (127.0.0.1:4222).
+    Nats,
+}
+
+/// The log of a [`Source`] and a publisher into it.
+enum Log {
+    Kafka {
+        _broker: EmbeddedBroker,
+        publisher: KafkaPublisher,
+    },
+    Nats {
+        /// Boxed: far larger than the Kafka side.
+        publisher: Box<NatsPublisher>,
+        stream: String,
+        prefix: String,
+    },
+}
+
+impl Log {
+    /// Starts the log; also returns the `[source]` section that reads it.
+    async fn start(source: Source) -> (Log, String) {
+        match source {
+            Source::Kafka => {
+                let broker = EmbeddedBroker::start(TOPIC, 4).unwrap();
+                let servers = broker.bootstrap_servers();
+                let publisher = KafkaPublisher::new(&servers, TOPIC, &Default::default()).unwrap();
+                let section = format!(
+                    "[source]\nkind = \"kafka\"\n[source.kafka]\nbrokers = \"{servers}\"\n\
+                     topic = \"{TOPIC}\"\ngroup_id = \"\"\nstart = \"earliest\""
+                );
+                let log = Log::Kafka {
+                    _broker: broker,
+                    publisher,
+                };
+                (log, section)
+            }
+            Source::Nats => {
+                require_nats(NATS_URL).await;
+                let stream = unique_id("KVCRASH").replace(['-', '.'], "_");
+                let prefix = format!("kvcrash.{}", stream.to_lowercase());
+                let publisher = NatsPublisher::connect(NATS_URL, true).await.unwrap();
+                publisher
+                    .ensure_stream(&stream, &[format!("{prefix}.>")])
+                    .await
+                    .unwrap();
+                let section = format!(
+                    "[source]\nkind = \"nats\"\n[source.nats]\nurl = \"{NATS_URL}\"\n\
+                     stream = \"{stream}\"\nsubjects = [\"{prefix}.>\"]"
+                );
+                let log = Log::Nats {
+                    publisher: Box::new(publisher),
+                    stream,
+                    prefix,
+                };
+                (log, section)
+            }
+        }
+    }
+
+    /// Publishes `events` (one message per run of one engine's events); how many messages.
+    async fn publish(&mut self, events: &[Event]) -> usize {
+        match self {
+            Log::Kafka { publisher, .. } => publish_kafka(publisher, events).await,
+            Log::Nats {
+                publisher, prefix, ..
+            } => publish_nats(publisher, prefix, events).await,
+        }
+    }
+
+    /// Waits until everything published is in the log.
+    async fn flush(&mut self) {
+        match self {
+            Log::Kafka { publisher, .. } => publisher.flush(Duration::from_secs(30)).await.unwrap(),
+            Log::Nats { publisher, .. } => publisher.flush().await.unwrap(),
+        }
+    }
+
+    /// The log end (`caught_up`'s) once `sent` messages are in: Kafka counts offsets from 0,
+    /// a stream's sequences from 1.
+    fn end(&self, sent: usize) -> i64 {
+        match self {
+            Log::Kafka { .. } => sent as i64,
+            Log::Nats { .. } => sent as i64 + 1,
+        }
+    }
+
+    /// Deletes a NATS stream (the shared server outlives the test).
+    async fn remove(self) {
+        if let Log::Nats {
+            publisher, stream, ..
+        } = self
+        {
+            let js = async_nats::jetstream::new(publisher.client().clone());
+            let _ = js.delete_stream(&stream).await;
+        }
+    }
+}
+
+/// The crash points the service has (`kvindex::util::crash_point`'s table).
+const CRASH_POINTS: [&str; 6] = [
+    "commit.built",
+    "commit.written",
+    "ack.before",
+    "ack.after",
+    "evict.durable",
+    "warmup.chunk",
+];
+
+/// How each trial's process dies.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kill {
+    /// SIGKILL at a random moment.
+    AtRandom,
+    /// It aborts itself at a crash point (SIGKILL after a while if it never gets there).
+    AtCrashPoints,
+}
+
+/// What the trials do to the data dir after each kill, before the next start.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum AfterKill {
+    Nothing,
+    /// Damage the newest WAL file's tail: cut it, zero it or append garbage.
+    TearWal,
+}
+
+/// Damages the tail of the newest write-ahead log under `data` the way a power loss can
+/// (RocksDB keeps its WAL as `<data>/index/*.log`); returns what it did.
+fn tear_wal(data: &Path, rng: &mut Rng) -> String {
+    let newest = std::fs::read_dir(data.join("index"))
+        .unwrap()
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "log"))
+        .max();
+    let Some(wal) = newest else {
+        return "no WAL".into();
+    };
+    let bytes = std::fs::read(&wal).unwrap();
+    let len = bytes.len();
+    let tail = rng.range(1, 4096).min(len);
+    let torn = match rng.range(0, 2) {
+        0 => {
+            std::fs::write(&wal, &bytes[..len - tail]).unwrap();
+            format!("cut {tail} of {len} bytes")
+        }
+        1 => {
+            let mut torn = bytes;
+            torn[len - tail..].fill(0);
+            std::fs::write(&wal, torn).unwrap();
+            format!("zeroed the last {tail} of {len} bytes")
+        }
+        _ => {
+            let mut torn = bytes;
+            torn.extend((0..tail).map(|_| rng.range(0, 255) as u8));
+            std::fs::write(&wal, torn).unwrap();
+            format!("appended {tail} random bytes to {len}")
+        }
+    };
+    format!("{}: {torn}", wal.file_name().unwrap().to_string_lossy())
+}
+
+async fn crash_trials(
+    source: Source,
+    l1_max_bytes: Option<u64>,
+    reuse_hashes: bool,
+    kill: Kill,
+    after_kill: AfterKill,
+) {
+    let (mut log, source_section) = Log::start(source).await;
     let l1 = l1_max_bytes
         .map(|b| format!("l1_max_bytes = {b}"))
         .unwrap_or_default();
@@ -68,26 +327,17 @@ async fn crash_trials(l1_max_bytes: Option<u64>, reuse_hashes: bool) {
         dir.path(),
         &format!(
             r#"
-[source]
-kind = "kafka"
-[source.kafka]
-brokers = "{}"
-topic = "{TOPIC}"
-group_id = ""
-start = "earliest"
+{source_section}
 [index]
 shards = 2
 seed = {SEED}
 {l1}
 [checkpoint]
 interval_ms = 20
-"#,
-            broker.bootstrap_servers()
+"#
         ),
     );
     let data = dir.path().join("data");
-    let publisher =
-        KafkaPublisher::new(&broker.bootstrap_servers(), TOPIC, &Default::default()).unwrap();
     let mut fleet = Fleet::new(FleetSettings {
         reuse_hashes,
         // The stressed variant also holds blocks on GPU and CPU at once.
@@ -101,8 +351,47 @@ interval_ms = 20
     let mut rng = Rng::new(7);
     let mut queries = Vec::new();
     let mut sent = 0;
+    let mut torn = Vec::new();
 
-    for trial in 0..TRIALS {
+    let trials = trials();
+    // Per crash point: trials armed for it, and how many of those died there.
+    let mut fired = [(0u32, 0u32); CRASH_POINTS.len()];
+    for trial in 0..trials {
+        if kill == Kill::AtCrashPoints {
+            let point = trial % CRASH_POINTS.len();
+            let arm = format!("{}@{}", CRASH_POINTS[point], rng.range(1, 3));
+            let mut child = Command::new(env!("CARGO_BIN_EXE_kvindex"))
+                .args(["serve", "--config", &config, "--listen", "127.0.0.1:0"])
+                .arg("--data-dir")
+                .arg(&data)
+                .env("KVINDEX_LOG", "error")
+                .env(kvindex::util::crash_point::CRASH_AT_ENV, &arm)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap();
+            for _ in 0..REQUESTS_PER_TRIAL {
+                let events = fleet.next_request();
+                for ev in &events {
+                    let _ = reference.apply(ev, 0);
+                }
+                sent += log.publish(&events).await;
+            }
+            if trial % 6 == 0 {
+                queries.extend((0..8).map(|_| fleet.sample_query()));
+            }
+            let status = tokio::task::block_in_place(|| exit_within(&mut child, 15));
+            fired[point].0 += 1;
+            if let Some(status) = status {
+                assert_eq!(
+                    status.signal(),
+                    Some(SIGABRT),
+                    "serve armed with {arm} exited with {status} instead of dying there"
+                );
+                fired[point].1 += 1;
+            }
+            continue;
+        }
         // Every fourth trial dies while starting (loading, positioning), the others while
         // consuming and committing.
         if trial % 4 == 3 {
@@ -125,11 +414,14 @@ interval_ms = 20
                 for ev in &events {
                     let _ = reference.apply(ev, 0);
                 }
-                sent += publish_kafka(&publisher, &events).await;
+                sent += log.publish(&events).await;
             }
             tokio::time::sleep(Duration::from_millis(rng.range(0, 400) as u64)).await;
             child.kill().unwrap();
             child.wait().unwrap();
+            if after_kill == AfterKill::TearWal {
+                torn.push(tear_wal(&data, &mut rng));
+            }
             continue;
         }
         let kv = tokio::task::block_in_place(|| {
@@ -145,15 +437,32 @@ interval_ms = 20
             for ev in &events {
                 let _ = reference.apply(ev, 0);
             }
-            sent += publish_kafka(&publisher, &events).await;
+            sent += log.publish(&events).await;
         }
         if trial % 6 == 0 {
             queries.extend((0..8).map(|_| fleet.sample_query()));
         }
         tokio::time::sleep(Duration::from_millis(rng.range(0, 700) as u64)).await;
         kv.kill9();
+        if after_kill == AfterKill::TearWal {
+            torn.push(tear_wal(&data, &mut rng));
+        }
     }
-    publisher.flush(Duration::from_secs(30)).await.unwrap();
+    if kill == Kill::AtCrashPoints {
+        let report: Vec<String> = CRASH_POINTS
+            .iter()
+            .zip(fired)
+            .map(|(name, (armed, died))| format!("{name}: {died} of {armed}"))
+            .collect();
+        eprintln!("trials that died at their crash point: {report:?}");
+        for (name, (_, died)) in CRASH_POINTS.iter().zip(fired) {
+            assert!(died > 0, "no trial reached crash point {name}: {report:?}");
+        }
+    }
+    if !torn.is_empty() {
+        eprintln!("WAL damage after each kill: {torn:?}");
+    }
+    log.flush().await;
     queries.extend((0..32).map(|_| fleet.sample_query()));
 
     // A last, clean run catches up, then stops gracefully.
@@ -171,7 +480,7 @@ interval_ms = 20
             Duration::from_secs(120),
             || {
                 let s = kv.stats();
-                caught_up(&s, sent as i64).then_some(s)
+                caught_up(&s, log.end(sent)).then_some(s)
             },
         )
     });
@@ -182,6 +491,7 @@ interval_ms = 20
         .map(|p| p["duplicates_skipped"].as_u64().unwrap())
         .sum();
     tokio::task::block_in_place(|| kv.terminate());
+    log.remove().await;
 
     // The durable state, loaded the way a restart loads it.
     let mut cfg = Config {
@@ -222,10 +532,27 @@ interval_ms = 20
     assert_eq!(got.engines, want.engines, "per-engine blocks differ");
     assert_eq!(got.answers, want.answers, "lookup answers differ");
     eprintln!(
-        "{TRIALS} kills survived: {} memberships, {} engines, {} queries agree; the last run \
+        "{trials} kills survived: {} memberships, {} engines, {} queries agree; the last run \
          skipped {duplicates} duplicate events",
         want.partitions.iter().map(|p| p.2).sum::<u64>(),
         want.engines.len(),
         queries.len()
     );
+}
+
+/// SIGABRT, what `std::process::abort` dies of.
+const SIGABRT: i32 = 6;
+
+/// Waits up to `seconds` for `child` to exit by itself (its status), else SIGKILLs it (`None`).
+fn exit_within(child: &mut Child, seconds: u64) -> Option<ExitStatus> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(seconds);
+    while std::time::Instant::now() < deadline {
+        if let Some(status) = child.try_wait().unwrap() {
+            return Some(status);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    None
 }

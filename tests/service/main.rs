@@ -1,6 +1,6 @@
 //! The service as users run it: the HTTP API against its OpenAPI document, its edge (token,
 //! TLS, limits, pages), the configuration contract, the real `kvindex` binary (serve, demo,
-//! replay, bench), and `kill -9` trials.
+//! replay, bench), `kill -9` trials and a damaged store.
 
 #[path = "../support/mod.rs"]
 mod support;
@@ -12,3 +12,4 @@ mod crash;
 mod demo;
 mod edge;
 mod serve;
+mod storage_faults;

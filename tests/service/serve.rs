@@ -4,7 +4,7 @@
 //! tests fail if it is not running).
 
 use crate::support::*;
-use kvindex::event::{Event, PartitionKey, encode};
+use kvindex::event::{Event, PartitionKey};
 use kvindex::index::{Index, IndexSettings};
 use kvindex::sim::{Fleet, FleetSettings};
 use kvindex::source::nats::NatsPublisher;
@@ -396,21 +396,6 @@ async fn nats_publisher() -> NatsPublisher {
         .expect(
             "NATS with JetStream must be running at 127.0.0.1:4222 (scripts/setup.sh starts it)",
         )
-}
-
-async fn publish_nats(p: &mut NatsPublisher, subject_prefix: &str, events: &[Event]) -> usize {
-    let mut n = 0;
-    for run in events.chunk_by(|a, b| a.engine == b.engine) {
-        n += 1;
-        p.send(
-            &format!("{subject_prefix}.{}", run[0].engine),
-            &[],
-            encode::to_proto(run),
-        )
-        .await
-        .unwrap();
-    }
-    n
 }
 
 /// Publishes `requests` fleet requests to NATS, applying them to `reference` too, and waits for

@@ -1,5 +1,6 @@
 //! The sources against real brokers: Kafka through librdkafka's mock cluster (the embedded
-//! broker), NATS JetStream at 127.0.0.1:4222 (tests fail loudly if it is absent), and
+//! broker), NATS JetStream at 127.0.0.1:4222 (tests fail loudly if it is absent) and a private
+//! nats-server with mutual TLS and a password, and
 //! `kvindex produce` into both, and the engine bridge against ZeroMQ publishers that behave
 //! like vLLM's and SGLang's.
 
@@ -9,4 +10,5 @@ mod support;
 mod bridge;
 mod kafka;
 mod nats;
+mod nats_secured;
 mod produce;

@@ -74,6 +74,7 @@ impl TestStream {
             engine_token: -1,
             jetstream: true,
             reset_on_divergence: false,
+            auth: Default::default(),
         }
     }
     fn source_name(&self) -> String {

@@ -60,6 +60,28 @@ pub async fn publish_kafka(
     n
 }
 
+/// Publishes `events` to JetStream as protobuf, one message per run of one engine's events on
+/// `<subject_prefix>.<engine>`; returns how many messages (the stream's sequence grows by as
+/// many).
+pub async fn publish_nats(
+    p: &mut kvindex::source::NatsPublisher,
+    subject_prefix: &str,
+    events: &[kvindex::event::Event],
+) -> usize {
+    let mut n = 0;
+    for run in events.chunk_by(|a, b| a.engine == b.engine) {
+        n += 1;
+        p.send(
+            &format!("{subject_prefix}.{}", run[0].engine),
+            &[],
+            kvindex::event::encode::to_proto(run),
+        )
+        .await
+        .unwrap();
+    }
+    n
+}
+
 /// Where Debian's nats-server lives (scripts/setup.sh installs it).
 const NATS_SERVER: &str = "/usr/sbin/nats-server";
 
@@ -68,10 +90,18 @@ pub struct PrivateServer {
     port: u16,
     dir: tempfile::TempDir,
     child: Option<std::process::Child>,
+    /// A configuration file to run with (TLS, authorization), if any.
+    conf: Option<std::path::PathBuf>,
 }
 
 impl PrivateServer {
     pub fn start() -> PrivateServer {
+        PrivateServer::start_with("")
+    }
+
+    /// A server whose configuration file holds `conf` (nats-server syntax, e.g. `tls { … }`
+    /// and `authorization { … }` blocks) beside its port and JetStream store.
+    pub fn start_with(conf: &str) -> PrivateServer {
         assert!(
             std::path::Path::new(NATS_SERVER).exists(),
             "the fault test needs {NATS_SERVER}"
@@ -81,13 +111,31 @@ impl PrivateServer {
             .local_addr()
             .unwrap()
             .port();
+        let dir = tempfile::tempdir().unwrap();
+        let conf = (!conf.is_empty()).then(|| {
+            let path = dir.path().join("nats-server.conf");
+            let store = dir.path().join("js");
+            std::fs::write(
+                &path,
+                format!(
+                    "listen: \"127.0.0.1:{port}\"\njetstream {{ store_dir: {store:?} }}\n{conf}\n"
+                ),
+            )
+            .unwrap();
+            path
+        });
         let mut s = PrivateServer {
             port,
-            dir: tempfile::tempdir().unwrap(),
+            dir,
             child: None,
+            conf,
         };
         s.spawn();
         s
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
     }
 
     pub fn url(&self) -> String {
@@ -95,16 +143,21 @@ impl PrivateServer {
     }
 
     pub fn spawn(&mut self) {
-        let child = std::process::Command::new(NATS_SERVER)
-            .args([
-                "-js",
-                "-a",
-                "127.0.0.1",
-                "-p",
-                &self.port.to_string(),
-                "-sd",
-            ])
-            .arg(self.dir.path())
+        let mut cmd = std::process::Command::new(NATS_SERVER);
+        match &self.conf {
+            Some(conf) => cmd.arg("-c").arg(conf),
+            None => cmd
+                .args([
+                    "-js",
+                    "-a",
+                    "127.0.0.1",
+                    "-p",
+                    &self.port.to_string(),
+                    "-sd",
+                ])
+                .arg(self.dir.path()),
+        };
+        let child = cmd
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
             .spawn()

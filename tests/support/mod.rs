@@ -12,8 +12,8 @@ pub mod events;
 pub mod process;
 pub mod state;
 
-pub use brokers::{PrivateServer, publish_kafka, require_nats, unique_id};
-pub use process::{Kvindex, http, spawn_kvindex};
+pub use brokers::{PrivateServer, publish_kafka, publish_nats, require_nats, unique_id};
+pub use process::{Kvindex, http, spawn_kvindex, spawn_kvindex_logging_to};
 pub use state::{Fingerprint, caught_up, fingerprint};
 
 use std::path::Path;

@@ -24,13 +24,35 @@ pub fn spawn_kvindex(
     env: &[(&str, &str)],
     timeout: Duration,
 ) -> Kvindex {
+    spawn_with_stderr(args, data_dir, env, timeout, Stdio::inherit())
+}
+
+/// [`spawn_kvindex`] with its stderr (the log) written to `log` instead, for tests that read
+/// what it logged; waits up to a minute.
+pub fn spawn_kvindex_logging_to(
+    args: &[&str],
+    data_dir: &Path,
+    env: &[(&str, &str)],
+    log: &Path,
+) -> Kvindex {
+    let file = std::fs::File::create(log).unwrap();
+    spawn_with_stderr(args, data_dir, env, Duration::from_secs(60), file.into())
+}
+
+fn spawn_with_stderr(
+    args: &[&str],
+    data_dir: &Path,
+    env: &[(&str, &str)],
+    timeout: Duration,
+    stderr: Stdio,
+) -> Kvindex {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvindex"));
     cmd.args(args)
         .arg("--data-dir")
         .arg(data_dir)
         .args(["--listen", "127.0.0.1:0"])
         .env("KVINDEX_LOG", "warn")
-        .stderr(Stdio::inherit());
+        .stderr(stderr);
     for (k, v) in env {
         cmd.env(k, v);
     }

@@ -1,7 +1,8 @@
 //! The NATS source: a JetStream durable pull consumer (the default), or plain core NATS
 //! subscriptions (`jetstream = false`). Here: the source and its delivery loop;
 //! `position.rs`: (re)positioning the consumer and classifying what it pulls; `publisher.rs`:
-//! publishing; `wire.rs`: subjects and headers, both directions.
+//! publishing; `wire.rs`: subjects and headers, both directions; `connect.rs`: TLS and
+//! credentials, for every NATS client kvindex makes.
 //!
 //! # JetStream: kvindex's checkpoint is the truth
 //!
@@ -66,10 +67,12 @@
 //! restarts). `commit` does nothing.** A slow consumer can also lose messages (the client drops
 //! them when its subscription buffer is full). Use it for best-effort, live-only indexes.
 
+mod connect;
 mod position;
 mod publisher;
 pub mod wire;
 
+pub use connect::NatsAuth;
 pub use publisher::NatsPublisher;
 
 use super::{
@@ -123,6 +126,8 @@ pub struct NatsSettings {
     pub jetstream: bool,
     /// On a diverged checkpoint, restart from the stream's first sequence instead of stopping.
     pub reset_on_divergence: bool,
+    /// TLS and credentials.
+    pub auth: NatsAuth,
 }
 
 /// `[source.nats]`, stopping on divergence.
@@ -136,6 +141,7 @@ impl From<&NatsConfig> for NatsSettings {
             engine_token: i32::try_from(cfg.engine_token).unwrap_or(-1),
             jetstream: cfg.jetstream,
             reset_on_divergence: false,
+            auth: NatsAuth::from(cfg),
         }
     }
 }
@@ -271,7 +277,10 @@ impl NatsSource {
                 "source.nats.subjects: at least one subject is needed".into(),
             ));
         }
-        let client = async_nats::ConnectOptions::new()
+        let client = settings
+            .auth
+            .options()
+            .await?
             .name("kvindex")
             .connection_timeout(Duration::from_secs(5))
             .event_callback(|event| async move {

@@ -2,6 +2,7 @@
 //! publishes, with subjects and headers as the consumer reads them back (`wire.rs`). For
 //! `kvindex produce --nats` and the tests.
 
+use super::NatsAuth;
 use crate::source::SourceError;
 use async_nats::HeaderMap;
 use async_nats::jetstream;
@@ -25,7 +26,18 @@ const PUBLISH_WINDOW: usize = 256;
 
 impl NatsPublisher {
     pub async fn connect(url: &str, jetstream: bool) -> Result<NatsPublisher, SourceError> {
-        let client = async_nats::ConnectOptions::new()
+        NatsPublisher::connect_with(url, jetstream, &NatsAuth::default()).await
+    }
+
+    /// [`NatsPublisher::connect`] to a server that needs TLS or credentials.
+    pub async fn connect_with(
+        url: &str,
+        jetstream: bool,
+        auth: &NatsAuth,
+    ) -> Result<NatsPublisher, SourceError> {
+        let client = auth
+            .options()
+            .await?
             .name("kvindex-produce")
             .connection_timeout(Duration::from_secs(5))
             .connect(url)
