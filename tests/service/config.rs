@@ -709,3 +709,45 @@ fn bridge_errors_name_their_field() {
     let err = kvindex::bridge::validate(&settings).expect_err("no port");
     assert_eq!(err.field(), Some("bridge.engines[0].endpoint"));
 }
+
+/// `[source.nats]` credentials: secrets only from the environment (and never printed), one way
+/// to authenticate, a user with its password, client certificate and key together.
+#[test]
+fn nats_credentials_rules() {
+    for key in ["password", "token"] {
+        let msg = assert_names(
+            load_text(&format!("[source.nats]\n{key} = \"hunter2\"")),
+            &format!("source.nats.{key}"),
+        );
+        assert!(
+            msg.contains(&format!("KVINDEX_SOURCE__NATS__{}", key.to_uppercase())),
+            "{msg}"
+        );
+    }
+    let c = load_env(&[
+        ("KVINDEX_SOURCE__NATS__USER", "kv"),
+        ("KVINDEX_SOURCE__NATS__PASSWORD", "hunter2-secret"),
+    ])
+    .unwrap();
+    assert_eq!(c.source.nats.password.expose(), "hunter2-secret");
+    assert!(!format!("{c:?}").contains("hunter2-secret"));
+    assert_names(
+        load_env(&[("KVINDEX_SOURCE__NATS__PASSWORD", "p")]),
+        "source.nats.user",
+    );
+    assert_names(
+        load_text("[source.nats]\nuser = \"kv\""),
+        "source.nats.user",
+    );
+    assert_names(
+        load_env(&[
+            ("KVINDEX_SOURCE__NATS__TOKEN", "t"),
+            ("KVINDEX_SOURCE__NATS__CREDENTIALS_FILE", "/etc/kv.creds"),
+        ]),
+        "source.nats",
+    );
+    assert_names(
+        load_text("[source.nats]\ntls_cert = \"client.pem\""),
+        "source.nats.tls_cert",
+    );
+}

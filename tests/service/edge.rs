@@ -608,12 +608,17 @@ async fn engine_pages_cover_every_engine_once() {
         ("limit=-3", "limit: "),
         ("limit=ten", "limit: "),
         ("cursor=not-hex", "cursor: "),
-        ("cursor=ff", "cursor: "),
+        ("cursor=abc", "cursor: "),
     ] {
         let (status, _, v) = get(format!("/v1/engines?{query}")).await;
         assert_eq!(status, StatusCode::BAD_REQUEST, "{query}: {v}");
         assert!(assert_error_body(&v).starts_with(field), "{query}: {v}");
     }
+    // Any hex is a position in the order of the ids, even bytes no id holds: `ff` sorts after
+    // every UTF-8 id, so its page is empty and last.
+    let (status, _, v) = get("/v1/engines?cursor=ff".to_string()).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(v, serde_json::json!({"engines": [], "next": null}));
 }
 
 // ---- The real durable service ----
