@@ -39,5 +39,18 @@ for _ in $(seq 1 600); do
 done
 curl -fs "http://127.0.0.1:$port/readyz" >/dev/null || { tail -50 "$work/demo.log" >&2; exit 1; }
 
-st run schemas/openapi.yaml --url "http://127.0.0.1:$port" \
-  --checks all --max-time "$max_time" --workers 2 --no-color
+run() {
+  st run schemas/openapi.yaml --url "http://127.0.0.1:$port" \
+    --checks all --max-time "$max_time" --workers 2 --no-color 2>&1 | tee "$work/st.log"
+  return "${PIPESTATUS[0]}"
+}
+run && exit 0
+# schemathesis exits non-zero on findings about the API and on errors of its own. One of the
+# latter is intermittent (CPython 3.11's "AST constructor recursion depth mismatch" inside
+# Hypothesis while it draws a million-item `token_ids`) and says nothing about the API: run
+# once more after it. A failure (a finding) fails at once.
+if grep -q "= FAILURES =" "$work/st.log" || ! grep -q "Runtime Error" "$work/st.log"; then
+  exit 1
+fi
+echo "schemathesis: an internal error of the tool, not a finding; running once more" >&2
+run
