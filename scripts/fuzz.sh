@@ -4,9 +4,9 @@
 #   scripts/fuzz.sh [seconds per target, default 30] [target ...]
 #
 # Installs what a fresh machine lacks (a nightly toolchain, cargo-fuzz). The targets link only
-# the wire crate, so a cold build takes a minute or two and never compiles RocksDB. The wire
-# crate has no `unsafe`, so the targets build without AddressSanitizer (twice the executions
-# per second) and with debug assertions (integer overflow panics). New inputs the run finds go
+# the wire and config crates, so a cold build takes a minute or two and never compiles RocksDB.
+# Neither crate has `unsafe`, so the targets build without AddressSanitizer (twice the
+# executions per second) and with debug assertions (integer overflow panics). New inputs the run finds go
 # to a scratch copy of the corpus, not into the repository; a crash or a hang leaves its input
 # under fuzz/artifacts/<target>/ and fails the script.
 set -euo pipefail
