@@ -115,7 +115,7 @@ async fn a_torn_wal_tail_after_each_kill_recovers_a_consistent_prefix_and_loses_
     .await;
 }
 
-/// Every crash point (`kvindex::util::crash_point`) in turn, each armed for its 1st to 3rd
+/// Every crash point (`kvindex::util::crash_point`) in turn, each armed for its 1st or 2nd
 /// pass: the process dies exactly between two steps of a durability boundary (the batch built
 /// and not written, written and not known durable, durable and not acknowledged upstream,
 /// durable in L2 and not yet dropped from L1, half loaded), with a tiny L1 so that eviction
@@ -359,7 +359,7 @@ interval_ms = 20
     for trial in 0..trials {
         if kill == Kill::AtCrashPoints {
             let point = trial % CRASH_POINTS.len();
-            let arm = format!("{}@{}", CRASH_POINTS[point], rng.range(1, 3));
+            let arm = format!("{}@{}", CRASH_POINTS[point], rng.range(1, 2));
             let mut child = Command::new(env!("CARGO_BIN_EXE_kvindex"))
                 .args(["serve", "--config", &config, "--listen", "127.0.0.1:0"])
                 .arg("--data-dir")
@@ -370,7 +370,11 @@ interval_ms = 20
                 .stderr(Stdio::null())
                 .spawn()
                 .unwrap();
-            for _ in 0..REQUESTS_PER_TRIAL {
+            // Fewer events than a random-kill trial: many of these processes die before they
+            // read anything (at the warm-up, at the first commit), and the embedded broker
+            // keeps only a few hundred messages per partition, so the backlog must stay below
+            // that or the broker deletes events no run has read.
+            for _ in 0..REQUESTS_PER_TRIAL / 4 {
                 let events = fleet.next_request();
                 for ev in &events {
                     let _ = reference.apply(ev, 0);
