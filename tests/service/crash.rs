@@ -374,13 +374,7 @@ interval_ms = 20
             // read anything (at the warm-up, at the first commit), and the embedded broker
             // keeps only a few hundred messages per partition, so the backlog must stay below
             // that or the broker deletes events no run has read.
-            for _ in 0..REQUESTS_PER_TRIAL / 4 {
-                let events = fleet.next_request();
-                for ev in &events {
-                    let _ = reference.apply(ev, 0);
-                }
-                sent += log.publish(&events).await;
-            }
+            sent += produce(&mut log, &mut fleet, &reference, REQUESTS_PER_TRIAL / 4).await;
             if trial % 6 == 0 {
                 queries.extend((0..8).map(|_| fleet.sample_query()));
             }
@@ -413,13 +407,7 @@ interval_ms = 20
                 .stdout(Stdio::null())
                 .spawn()
                 .unwrap();
-            for _ in 0..REQUESTS_PER_TRIAL / 4 {
-                let events = fleet.next_request();
-                for ev in &events {
-                    let _ = reference.apply(ev, 0);
-                }
-                sent += log.publish(&events).await;
-            }
+            sent += produce(&mut log, &mut fleet, &reference, REQUESTS_PER_TRIAL / 4).await;
             tokio::time::sleep(Duration::from_millis(rng.range(0, 400) as u64)).await;
             child.kill().unwrap();
             child.wait().unwrap();
@@ -436,13 +424,7 @@ interval_ms = 20
                 Duration::from_secs(60),
             )
         });
-        for _ in 0..REQUESTS_PER_TRIAL {
-            let events = fleet.next_request();
-            for ev in &events {
-                let _ = reference.apply(ev, 0);
-            }
-            sent += log.publish(&events).await;
-        }
+        sent += produce(&mut log, &mut fleet, &reference, REQUESTS_PER_TRIAL).await;
         if trial % 6 == 0 {
             queries.extend((0..8).map(|_| fleet.sample_query()));
         }
@@ -542,6 +524,20 @@ interval_ms = 20
         want.engines.len(),
         queries.len()
     );
+}
+
+/// Publishes `requests` fleet requests into `log`, folding them into `reference` too; how many
+/// messages that took.
+async fn produce(log: &mut Log, fleet: &mut Fleet, reference: &Index, requests: usize) -> usize {
+    let mut sent = 0;
+    for _ in 0..requests {
+        let events = fleet.next_request();
+        for ev in &events {
+            let _ = reference.apply(ev, 0);
+        }
+        sent += log.publish(&events).await;
+    }
+    sent
 }
 
 /// SIGABRT, what `std::process::abort` dies of.
