@@ -14,7 +14,8 @@
 //! - [`index`]: the in-memory shards (L1) and the longest-prefix lookup;
 //! - [`spill`]: the bounded L1's rules and the seam to its RocksDB L2;
 //! - [`store`]: every RocksDB call: checkpoint commits, offsets, warm reload, L2 rows;
-//! - [`service`]: assembly from a [`config`], warm start, clean stop;
+//! - [`service`]: assembly from a [`config`], warm start, clean stop; [`cluster`]: this
+//!   process among the replicas of one index (its replica id);
 //! - [`api`]: the HTTP read API; [`metrics`]: counters and the Prometheus text.
 //!
 //! Tools beside the data path: [`sim`] (a synthetic engine fleet), [`bench`] (benchmark
@@ -23,6 +24,7 @@
 pub mod api;
 pub mod bench;
 pub mod bridge;
+pub mod cluster;
 pub use kvindex_config as config;
 pub use kvindex_wire::event;
 pub mod index;

@@ -38,7 +38,7 @@ enum Command {
     /// Rebuild an index from a Kafka topic or NATS stream into an empty data dir.
     Replay(cli::rebuild::ReplayArgs),
     /// Generate synthetic engine-fleet events in any encoding, to a file or a broker.
-    Produce(cli::produce::ProduceArgs),
+    Produce(Box<cli::produce::ProduceArgs>),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -86,7 +86,7 @@ fn main() -> anyhow::Result<()> {
         Command::Demo(args) => runtime()?.block_on(cli::serve::demo(args)),
         Command::Bridge(args) => runtime()?.block_on(cli::bridge::bridge(args)),
         Command::Replay(args) => runtime()?.block_on(cli::rebuild::replay(args)),
-        Command::Produce(args) => runtime()?.block_on(cli::produce::produce(args)),
+        Command::Produce(args) => runtime()?.block_on(cli::produce::produce(*args)),
         Command::Bench(BenchCommand::Replay(args)) => cli::bench::replay(args),
         Command::Bench(BenchCommand::Restart(args)) => cli::bench_restart::restart(args),
         Command::Bench(BenchCommand::Http(args)) => cli::bench_http::http(args),

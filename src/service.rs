@@ -272,7 +272,14 @@ pub struct SourceSetup {
 
 impl SourceSetup {
     /// Builds the source of `config`, starting the embedded broker if that is the kind.
+    /// The consumer names must be resolved ([`crate::cluster::resolve_replica_id`]).
     pub fn from_config(config: &Config, opts: &StartSettings) -> Result<SourceSetup, ServiceError> {
+        if config.replica_id_unresolved() {
+            return Err(ServiceError::Config(crate::config::ConfigError::invalid(
+                "cluster.replica_id",
+                "the consumer names still hold `{replica_id}`: resolve the replica id first",
+            )));
+        }
         Ok(match config.source.kind {
             SourceKind::Embedded => {
                 let topic = &config.source.kafka.topic;
@@ -310,6 +317,7 @@ impl SourceSetup {
             }
             SourceKind::Nats => {
                 let mut settings = NatsSettings::from(&config.source.nats);
+                settings.owner = config.cluster.replica_id.clone();
                 settings.reset_on_divergence = opts.reset_on_divergence;
                 SourceSetup {
                     spec: SourceSpec::Nats(settings),

@@ -189,6 +189,47 @@ pub struct Config {
     /// Engines whose ZeroMQ publishers the bridge subscribes to (`kvindex bridge`, or inside
     /// `serve` when any is listed).
     pub bridge: BridgeConfig,
+    /// This process among the replicas of one index.
+    pub cluster: ClusterConfig,
+}
+
+/// Written in `source.kafka.group_id` and `source.nats.durable` (their defaults do), replaced
+/// by the replica id at start, so that replicas never share a consumer by accident.
+pub const REPLICA_ID_PLACEHOLDER: &str = "{replica_id}";
+
+/// The `[cluster]` section.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ClusterConfig {
+    /// Names this replica to the brokers (its consumer group and durable consumer, through
+    /// [`REPLICA_ID_PLACEHOLDER`]). `""` = the id kept in the data dir (generated on first
+    /// start): stable across restarts, distinct between replicas with their own data dirs.
+    /// Letters, digits, `-` and `_`, at most 64.
+    pub replica_id: String,
+}
+
+impl Config {
+    /// Fixes the replica id (`cluster.replica_id` when set, else `generated`) and writes it
+    /// wherever [`REPLICA_ID_PLACEHOLDER`] stands. Returns the id.
+    pub fn resolve_replica_id(&mut self, generated: impl FnOnce() -> String) -> String {
+        if self.cluster.replica_id.is_empty() {
+            self.cluster.replica_id = generated();
+        }
+        let id = self.cluster.replica_id.clone();
+        for name in [
+            &mut self.source.kafka.group_id,
+            &mut self.source.nats.durable,
+        ] {
+            *name = name.replace(REPLICA_ID_PLACEHOLDER, &id);
+        }
+        id
+    }
+
+    /// Whether a name still waits for [`Config::resolve_replica_id`].
+    pub fn replica_id_unresolved(&self) -> bool {
+        self.source.kafka.group_id.contains(REPLICA_ID_PLACEHOLDER)
+            || self.source.nats.durable.contains(REPLICA_ID_PLACEHOLDER)
+    }
 }
 
 /// The `[bridge]` section and its `[[bridge.engines]]`.
@@ -282,12 +323,14 @@ pub struct SourceConfig {
 pub struct KafkaConfig {
     pub brokers: String,
     pub topic: String,
+    /// The consumer group kvindex commits durable offsets to, for lag tools only (positions
+    /// come from kvindex's own checkpoint); `""` = commit nowhere. It is never used to split
+    /// partitions: each replica reads every partition. The default, `kvindex-{replica_id}`,
+    /// gives each replica its own.
     pub group_id: String,
     /// `earliest`, `latest` or an RFC 3339 time; used only where no checkpoint exists.
     pub start: String,
-    /// Partitions to consume, assigned explicitly (no group rebalancing; the group, if any, is
-    /// used for offset commits only). Empty: the group's assignment, or every partition
-    /// without a group.
+    /// Partitions to consume; empty = every partition of the topic.
     pub partitions: Vec<i32>,
     /// librdkafka properties passed through verbatim.
     pub properties: BTreeMap<String, String>,
@@ -299,6 +342,9 @@ pub struct NatsConfig {
     pub url: String,
     pub stream: String,
     pub subjects: Vec<String>,
+    /// Name of the JetStream durable consumer. Each replica needs its own (two sharing one
+    /// would split the stream between them): the default, `kvindex-{replica_id}`, sees to it,
+    /// and kvindex refuses to take over a durable another replica is pulling from.
     pub durable: String,
     /// Which subject token is the engine id for vLLM payloads; negative counts from the end
     /// (-1 = last), as in Python indexing.
@@ -394,6 +440,7 @@ impl Default for Config {
             writeback: WritebackConfig::default(),
             checkpoint: CheckpointConfig::default(),
             bridge: BridgeConfig::default(),
+            cluster: ClusterConfig::default(),
         }
     }
 }
@@ -459,7 +506,7 @@ impl Default for KafkaConfig {
         KafkaConfig {
             brokers: "127.0.0.1:9092".into(),
             topic: "kv-events".into(),
-            group_id: "kvindex".into(),
+            group_id: format!("kvindex-{REPLICA_ID_PLACEHOLDER}"),
             start: "earliest".into(),
             partitions: Vec::new(),
             properties: BTreeMap::new(),
@@ -473,7 +520,7 @@ impl Default for NatsConfig {
             url: "nats://127.0.0.1:4222".into(),
             stream: "KV_EVENTS".into(),
             subjects: vec!["kv.events.>".into()],
-            durable: "kvindex".into(),
+            durable: format!("kvindex-{REPLICA_ID_PLACEHOLDER}"),
             engine_token: -1,
             jetstream: true,
             credentials_file: PathBuf::new(),

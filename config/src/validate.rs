@@ -82,6 +82,7 @@ impl Config {
                 format!("subjects must not be empty, got `{s}`"),
             ));
         }
+        self.validate_names()?;
         if self.source.kind == SourceKind::Nats {
             for (field, value) in [
                 ("source.nats.url", &nats.url),
@@ -161,6 +162,29 @@ impl Config {
         }
         self.validate_nats()?;
         self.validate_bridge()
+    }
+
+    /// The replica id and the consumer names made from it.
+    fn validate_names(&self) -> Result<(), ConfigError> {
+        let id = &self.cluster.replica_id;
+        let id_ok = |c: char| c.is_ascii_alphanumeric() || c == '-' || c == '_';
+        if id.len() > 64 || !id.chars().all(id_ok) {
+            return Err(ConfigError::invalid(
+                "cluster.replica_id",
+                format!("letters, digits, `-` and `_` only, at most 64 of them, got `{id}`"),
+            ));
+        }
+        let durable = &self.source.nats.durable;
+        let forbidden = |c: char| c.is_whitespace() || matches!(c, '.' | '*' | '>' | '/' | '\\');
+        if durable.chars().any(forbidden) {
+            return Err(ConfigError::invalid(
+                "source.nats.durable",
+                format!(
+                    "a JetStream consumer name has no whitespace, `.`, `*`, `>`, `/` or `\\`, got `{durable}`"
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// `[source.nats]`'s credentials: at most one way to authenticate, a user with its

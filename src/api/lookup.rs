@@ -10,6 +10,7 @@
 //! (never across an L2 read), and writers hold theirs only per applied batch.
 
 use super::AppState;
+use super::applied::Applied;
 use super::error::ApiError;
 use super::request::{Query, parse_lookup};
 use crate::event::Tier;
@@ -26,6 +27,8 @@ pub async fn lookup(
     State(state): State<AppState>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
+    // Read before the index: a floor of what the answer reflects (see `applied.rs`).
+    let applied = state.applied();
     let answered = match prepare(&state, body) {
         Ok(query) => answer(&state, query).await,
         Err(e) => Err(e),
@@ -33,23 +36,30 @@ pub async fn lookup(
     if answered.is_err() {
         state.metrics.lookup_errors.fetch_add(1, Relaxed);
     }
-    let body = render(&answered?);
+    let body = render(&answered?, applied.as_ref());
     Ok(([(header::CONTENT_TYPE, "application/json")], body).into_response())
 }
 
 /// The answer as the JSON body `schemas/openapi.yaml` calls `LookupResponse`:
 /// `{"model", "tenant", "adapter", "query_blocks", "block_size", "engines": [{"engine_id",
 /// "matched_blocks", "matched_tokens", "tier", "blocks_by_tier": {"GPU", "CPU", "DISK"},
-/// "score"?}, ..]}` (`block_size` and `matched_tokens` are `null` for a hash query of a model
-/// whose block size is unknown; `score` is there when the request gave `tier_weights`).
+/// "score"?}, ..], "applied"?}` (`block_size` and `matched_tokens` are `null` for a hash query
+/// of a model whose block size is unknown; `score` is there when the request gave
+/// `tier_weights`; `applied`, when the index has a source, is `applied.rs`'s).
 ///
 /// Written by hand rather than through serde: answers of a busy fleet name hundreds of
 /// engines, and serde's per-field calls and per-byte string escaping were the largest cost of
 /// a lookup over HTTP (a third of the server's CPU under `kvindex bench http`). Strings take
 /// one scan for bytes that need escaping and are copied whole when none does (the usual case).
-fn render(a: &Answered) -> Vec<u8> {
-    let mut out = Vec::with_capacity(rendered_size_hint(a));
+fn render(a: &Answered, applied: Option<&Applied>) -> Vec<u8> {
+    let hint = rendered_size_hint(a) + applied.map_or(0, Applied::size_hint);
+    let mut out = Vec::with_capacity(hint);
     render_into(a, &mut out);
+    if let Some(applied) = applied {
+        out.pop(); // the closing brace
+        applied.render_member(&mut out);
+        out.push(b'}');
+    }
     out
 }
 
@@ -346,7 +356,7 @@ mod tests {
                 block_size,
                 answer: crate::index::Answer::default(),
             };
-            let got: Value = serde_json::from_slice(&render(&a)).expect("valid JSON");
+            let got: Value = serde_json::from_slice(&render(&a, None)).expect("valid JSON");
             assert_eq!(
                 got,
                 json!({"model": "m", "tenant": "t\"1", "adapter": "", "query_blocks": 3,

@@ -13,6 +13,7 @@
 //! pool.
 
 use super::AppState;
+use super::applied::Applied;
 use super::error::ApiError;
 use super::lookup::{
     Answered, Attempt, Prepared, prepare_query, push_json_str, read_body, render_into,
@@ -39,6 +40,7 @@ pub async fn lookup_batch(
     State(state): State<AppState>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
+    let applied = state.applied();
     let answers = match answer_batch(&state, body).await {
         Ok(answers) => answers,
         Err(e) => {
@@ -51,7 +53,7 @@ pub async fn lookup_batch(
         .metrics
         .lookup_errors
         .fetch_add(failed as u64, Relaxed);
-    let body = render(&answers);
+    let body = render(&answers, applied.as_ref());
     Ok(([(header::CONTENT_TYPE, "application/json")], body).into_response())
 }
 
@@ -120,14 +122,15 @@ fn parse(state: &AppState, body: &[u8]) -> Result<Vec<Result<Prepared, ApiError>
         .collect())
 }
 
-/// `{"answers": [...]}`: each answer rendered as `/v1/lookup` renders it, each failed query
-/// as its error body with its status.
-fn render(answers: &[Result<Answered, ApiError>]) -> Vec<u8> {
+/// `{"answers": [...], "applied"?}`: each answer rendered as `/v1/lookup` renders it but
+/// without `applied`, which the batch carries once, each failed query as its error body with
+/// its status.
+fn render(answers: &[Result<Answered, ApiError>], applied: Option<&Applied>) -> Vec<u8> {
     let size: usize = answers
         .iter()
         .map(|a| a.as_ref().map_or(128, rendered_size_hint))
         .sum();
-    let mut out = Vec::with_capacity(16 + size);
+    let mut out = Vec::with_capacity(16 + size + applied.map_or(0, Applied::size_hint));
     out.extend_from_slice(b"{\"answers\":[");
     for (i, answer) in answers.iter().enumerate() {
         if i > 0 {
@@ -144,6 +147,10 @@ fn render(answers: &[Result<Answered, ApiError>]) -> Vec<u8> {
             }
         }
     }
-    out.extend_from_slice(b"]}");
+    out.push(b']');
+    if let Some(applied) = applied {
+        applied.render_member(&mut out);
+    }
+    out.push(b'}');
     out
 }

@@ -4,6 +4,7 @@
 //! agree. The edge guards are their own modules: `auth.rs` (bearer token, loopback rule),
 //! `limits.rs` (deadline, concurrency cap), `tls.rs` (rustls listener).
 
+pub mod applied;
 pub mod auth;
 pub mod baseline;
 pub mod error;
@@ -90,6 +91,8 @@ pub struct AppState {
     pub max_page_size: usize,
     /// Serve `POST /bench/static` (see `baseline.rs`); off by default.
     pub baseline_route: bool,
+    /// This replica's id, for `/v1/stats` (`""`: none).
+    pub replica_id: String,
 }
 
 impl AppState {
@@ -110,6 +113,7 @@ impl AppState {
             limits: limits::Limits::default(),
             max_page_size: DEFAULT_MAX_PAGE_SIZE,
             baseline_route: false,
+            replica_id: String::new(),
         }
     }
 
@@ -134,7 +138,13 @@ impl AppState {
         };
         state.max_page_size = http.max_page_size;
         state.baseline_route = http.baseline_route;
+        state.replica_id = service.config.cluster.replica_id.clone();
         Ok(state)
+    }
+
+    /// How far the index has applied its source, read now (before a lookup).
+    pub fn applied(&self) -> Option<applied::Applied> {
+        self.sources.as_ref()?.applied()
     }
 }
 
@@ -142,11 +152,24 @@ impl AppState {
 /// service; a fixed [`SourceStatus`] in tests and tools.
 pub trait SourceStatusView: Send + Sync {
     fn source_status(&self) -> SourceStatus;
+
+    /// How far the index has applied the source, for lookup answers (`None`: not known).
+    fn applied(&self) -> Option<applied::Applied> {
+        None
+    }
 }
 
 impl SourceStatusView for SourceReport {
     fn source_status(&self) -> SourceStatus {
         self.status()
+    }
+
+    fn applied(&self) -> Option<applied::Applied> {
+        let (source, next_offsets) = SourceReport::applied(self);
+        Some(applied::Applied {
+            source: source.to_string(),
+            next_offsets,
+        })
     }
 }
 

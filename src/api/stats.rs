@@ -247,6 +247,9 @@ struct LookupsSection {
 
 #[derive(Serialize)]
 struct StatsResponse<'a> {
+    /// This replica's id (absent for an index without a data dir of its own).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    replica_id: Option<&'a str>,
     index: IndexConfig<'a>,
     events: EventsSection,
     lookups: LookupsSection,
@@ -270,6 +273,7 @@ pub async fn stats(State(state): State<AppState>) -> Response {
     let s = state.index.stats();
     let m = &state.metrics;
     let body = StatsResponse {
+        replica_id: Some(state.replica_id.as_str()).filter(|id| !id.is_empty()),
         index: IndexConfig {
             shards: s.shards,
             partitions: s

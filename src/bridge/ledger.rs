@@ -17,9 +17,9 @@
 
 use super::sequencer::Position;
 use super::stats::StreamEntry;
+use crate::util::write_atomically;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeSet, HashMap, VecDeque};
-use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
@@ -378,20 +378,6 @@ fn read_file(path: &Path) -> Result<HashMap<StreamKey, (Position, BTreeSet<Strin
         .into_iter()
         .map(|e| (e.key, (e.position, e.adapters)))
         .collect())
-}
-
-/// Temp file, fsync, rename over, fsync the directory: after a crash the file is either the
-/// old or the new version, never a torn one.
-fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let dir = path.parent().unwrap_or(Path::new("."));
-    std::fs::create_dir_all(dir)?;
-    let tmp = path.with_extension("tmp");
-    let mut f = std::fs::File::create(&tmp)?;
-    f.write_all(bytes)?;
-    f.sync_all()?;
-    drop(f);
-    std::fs::rename(&tmp, path)?;
-    std::fs::File::open(dir)?.sync_all()
 }
 
 #[cfg(test)]

@@ -14,6 +14,7 @@
 //! headers, which they do not name either.
 
 use anyhow::Context;
+use kvindex::config::{Config, Secret};
 use kvindex::event::{Event, EventKind, Format, encode};
 use kvindex::sim::{Fleet, FleetSettings, FleetStats};
 use kvindex::source::{KafkaPublisher, NatsPublisher, labels, nats};
@@ -78,6 +79,61 @@ pub struct ProduceArgs {
     /// JetStream stream (with `--nats`), created with subjects `<subject-prefix>.>` if missing.
     #[arg(long, default_value = "KV_EVENTS")]
     pub stream: String,
+    #[command(flatten)]
+    pub nats_auth: NatsAuthArgs,
+}
+
+/// TLS and credentials for `--nats`, as `[source.nats]` gives them to `serve` (the same rules:
+/// at most one way to log in; secrets from the environment only, never from the command line).
+#[derive(clap::Args, Debug)]
+pub struct NatsAuthArgs {
+    /// A NATS credentials file (`.creds`: a user JWT and its nkey seed).
+    #[arg(long, value_name = "FILE", requires = "nats")]
+    pub nats_creds: Option<PathBuf>,
+    /// A file holding a user nkey seed (`SU…`).
+    #[arg(long, value_name = "FILE", requires = "nats")]
+    pub nats_nkey: Option<PathBuf>,
+    /// User name; the password comes from `KVINDEX_SOURCE__NATS__PASSWORD`. (A server token,
+    /// from `KVINDEX_SOURCE__NATS__TOKEN`, needs no flag.)
+    #[arg(long, value_name = "USER", requires = "nats")]
+    pub nats_user: Option<String>,
+    /// PEM CA certificates that verify the server (added to the system roots).
+    #[arg(long, value_name = "FILE", requires = "nats")]
+    pub nats_tls_ca: Option<PathBuf>,
+    /// PEM client certificate chain for mutual TLS, with `--nats-tls-key`.
+    #[arg(long, value_name = "FILE", requires_all = ["nats", "nats_tls_key"])]
+    pub nats_tls_cert: Option<PathBuf>,
+    /// PEM private key of `--nats-tls-cert`.
+    #[arg(long, value_name = "FILE", requires_all = ["nats", "nats_tls_cert"])]
+    pub nats_tls_key: Option<PathBuf>,
+    /// Refuse a connection that is not TLS.
+    #[arg(long, requires = "nats")]
+    pub nats_tls_required: bool,
+}
+
+impl NatsAuthArgs {
+    /// The flags and the secrets in the environment, checked by the configuration's rules.
+    fn auth(&self) -> anyhow::Result<nats::NatsAuth> {
+        let mut config = Config::default();
+        let n = &mut config.source.nats;
+        n.credentials_file = self.nats_creds.clone().unwrap_or_default();
+        n.nkey_seed_file = self.nats_nkey.clone().unwrap_or_default();
+        n.user = self.nats_user.clone().unwrap_or_default();
+        n.tls_ca = self.nats_tls_ca.clone().unwrap_or_default();
+        n.tls_cert = self.nats_tls_cert.clone().unwrap_or_default();
+        n.tls_key = self.nats_tls_key.clone().unwrap_or_default();
+        n.tls_required = self.nats_tls_required;
+        for (var, secret) in [
+            ("KVINDEX_SOURCE__NATS__PASSWORD", &mut n.password),
+            ("KVINDEX_SOURCE__NATS__TOKEN", &mut n.token),
+        ] {
+            if let Ok(value) = std::env::var(var) {
+                *secret = Secret::new(value);
+            }
+        }
+        config.validate().context("NATS credentials")?;
+        Ok(nats::NatsAuth::from(&config.source.nats))
+    }
 }
 
 fn parse_property(s: &str) -> Result<(String, String), String> {
@@ -298,7 +354,7 @@ impl Sink {
     }
 
     async fn nats(url: &str, args: &ProduceArgs) -> anyhow::Result<Sink> {
-        let publisher = NatsPublisher::connect(url, true).await?;
+        let publisher = NatsPublisher::connect_with(url, true, &args.nats_auth.auth()?).await?;
         let prefix = args.subject_prefix.trim_end_matches('.').to_string();
         publisher
             .ensure_stream(&args.stream, &[format!("{prefix}.>")])

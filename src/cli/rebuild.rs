@@ -111,12 +111,21 @@ pub async fn replay(args: ReplayArgs) -> anyhow::Result<()> {
         );
     }
     config.source.kafka.start = "earliest".into();
+    let replica = kvindex::cluster::resolve_replica_id(&mut config)
+        .context("reading the data dir's replica id")?;
     let mut setup = SourceSetup::from_config(&config, &StartSettings::default())?;
-    if let SourceSpec::Kafka { settings, .. } = &mut setup.spec {
-        // Read every partition without joining the serving group (nothing is committed).
-        settings.group_id = None;
-        if let From::TimeUs(us) = from {
-            settings.start = StartPosition::TimeUs(us);
+    match &mut setup.spec {
+        SourceSpec::Kafka { settings, .. } => {
+            // Read every partition and commit nowhere: the serving replicas' groups are theirs.
+            settings.group_id = None;
+            if let From::TimeUs(us) = from {
+                settings.start = StartPosition::TimeUs(us);
+            }
+        }
+        SourceSpec::Nats(settings) => {
+            // A consumer of its own, gone when the replay is: never a serving replica's.
+            settings.durable = format!("kvindex-replay-{replica}");
+            settings.transient = true;
         }
     }
     let service = Service::open(config, None).context("opening the data dir")?;

@@ -65,10 +65,13 @@ struct Running {
 }
 
 impl Running {
-    fn start(config: Config, reset_on_divergence: bool) -> anyhow::Result<Running> {
+    fn start(mut config: Config, reset_on_divergence: bool) -> anyhow::Result<Running> {
         let opts = StartSettings {
             reset_on_divergence,
         };
+        let replica = kvindex::cluster::resolve_replica_id(&mut config)
+            .context("reading this data dir's replica id")?;
+        tracing::info!(replica_id = %replica, "replica");
         let setup = SourceSetup::from_config(&config, &opts).context("starting the source")?;
         if let Some(b) = &setup.embedded {
             println!(

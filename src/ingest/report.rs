@@ -133,6 +133,11 @@ impl SourceReport {
             .collect()
     }
 
+    /// The source's name and, per partition, the next offset every shard has applied.
+    pub fn applied(&self) -> (&str, Vec<(i32, i64)>) {
+        (&self.name, self.progress.applied_of(&self.name))
+    }
+
     /// Whether every partition has caught up to the log end it saw at start (latched: once
     /// ready, a later lag does not make the service unready).
     pub fn is_ready(&self) -> bool {

@@ -168,6 +168,21 @@ impl Progress {
         v
     }
 
+    /// `(partition, next offset every shard has applied)` for each partition of `source` that
+    /// every shard has applied something of, by partition: everything below is in the index.
+    pub fn applied_of(&self, source: &str) -> Vec<(i32, i64)> {
+        let mut v: Vec<(i32, i64)> = self
+            .table
+            .read()
+            .parts
+            .iter()
+            .filter(|p| &*p.source == source)
+            .filter_map(|p| Some((p.partition, p.applied_next()?)))
+            .collect();
+        v.sort_unstable();
+        v
+    }
+
     /// Records a durable row read from the store at start: `shard` has applied and persisted
     /// everything of (source, partition) below `next`.
     pub fn restore(&self, shard: usize, source: &str, partition: i32, next: i64) -> PartId {

@@ -132,6 +132,7 @@ async fn read_all_from_start(
         brokers: broker.bootstrap_servers(),
         topic: topic.into(),
         group_id: None,
+        subscribe: false,
         partitions: None,
         start: kvindex::config::StartPosition::Earliest,
         properties: Default::default(),

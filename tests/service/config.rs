@@ -56,13 +56,14 @@ fn defaults() {
     assert_eq!(c.source.max_payload_bytes, 4_194_304);
     assert_eq!(c.source.kafka.brokers, "127.0.0.1:9092");
     assert_eq!(c.source.kafka.topic, "kv-events");
-    assert_eq!(c.source.kafka.group_id, "kvindex");
+    assert_eq!(c.source.kafka.group_id, "kvindex-{replica_id}");
     assert_eq!(c.source.kafka.start, "earliest");
     assert!(c.source.kafka.properties.is_empty());
     assert_eq!(c.source.nats.url, "nats://127.0.0.1:4222");
     assert_eq!(c.source.nats.stream, "KV_EVENTS");
     assert_eq!(c.source.nats.subjects, vec!["kv.events.>".to_string()]);
-    assert_eq!(c.source.nats.durable, "kvindex");
+    assert_eq!(c.source.nats.durable, "kvindex-{replica_id}");
+    assert_eq!(c.cluster.replica_id, "");
     assert_eq!(c.source.nats.engine_token, -1);
     assert!(c.source.nats.jetstream);
     assert_eq!(c.source.vllm.model, "");
@@ -108,6 +109,26 @@ fn example_file_is_the_defaults() {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("kvindex.example.toml");
     let c = Config::load(Some(&path), no_env(), &Overrides::default()).expect("example loads");
     assert_eq!(c, Config::default());
+}
+
+#[test]
+fn the_deployment_configs_load() {
+    let load = |name: &str| {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("deploy")
+            .join(name);
+        Config::load(Some(&path), no_env(), &Overrides::default())
+            .unwrap_or_else(|e| panic!("deploy/{name}: {e}"))
+    };
+    // One consumer per replica.
+    assert_eq!(
+        load("kvindex.toml").source.kafka.group_id,
+        "kvindex-{replica_id}"
+    );
+    assert_eq!(
+        load("kvindex-nats.toml").source.nats.durable,
+        "kvindex-{replica_id}"
+    );
 }
 
 #[test]
@@ -213,7 +234,7 @@ shards = 2
     assert_eq!(c.http.listen, "127.0.0.1:1111");
     assert_eq!(c.source.kafka.brokers, "file:9092");
     assert_eq!(
-        c.source.kafka.group_id, "kvindex",
+        c.source.kafka.group_id, "kvindex-{replica_id}",
         "unset keys keep their defaults"
     );
     assert_eq!(c.index.shards, 2);
@@ -336,6 +357,16 @@ fn type_errors_name_their_field() {
 fn every_validation_error_names_its_field() {
     let cases: &[(&str, &str)] = &[
         ("data_dir = \"\"", "data_dir"),
+        ("[cluster]\nreplica_id = \"a.b\"", "cluster.replica_id"),
+        (
+            "[cluster]\nreplica_id = \"0123456789012345678901234567890123456789012345678901234567890123x\"",
+            "cluster.replica_id",
+        ),
+        (
+            "[source.nats]\ndurable = \"kv.{replica_id}\"",
+            "source.nats.durable",
+        ),
+        ("[source.nats]\ndurable = \"kv idx\"", "source.nats.durable"),
         ("[http]\nlisten = \"localhost\"", "http.listen"),
         ("[http]\nmax_body_bytes = 1023", "http.max_body_bytes"),
         (

@@ -1,6 +1,6 @@
 //! The service as users run it: the HTTP API against its OpenAPI document, its edge (token,
 //! TLS, limits, pages), the configuration contract, the real `kvindex` binary (serve, demo,
-//! replay, bench), `kill -9` trials and a damaged store.
+//! replay, bench), replicas side by side, `kill -9` trials and a damaged store.
 
 #[path = "../support/mod.rs"]
 mod support;
@@ -11,5 +11,7 @@ mod config;
 mod crash;
 mod demo;
 mod edge;
+mod harness;
+mod replicas;
 mod serve;
 mod storage_faults;

@@ -3,113 +3,13 @@
 //! `--reset-on-divergence`, broker faults, and NATS JetStream (at 127.0.0.1:4222; these
 //! tests fail if it is not running).
 
+use crate::harness::*;
 use crate::support::*;
-use kvindex::event::{Event, PartitionKey};
-use kvindex::index::{Index, IndexSettings};
+use kvindex::event::Event;
 use kvindex::sim::{Fleet, FleetSettings};
 use kvindex::source::nats::NatsPublisher;
 use kvindex::source::{EmbeddedBroker, KafkaPublisher};
-use serde_json::{Value, json};
 use std::time::Duration;
-
-const SEED: u64 = 0x6b76_696e_6465_7831;
-const START: Duration = Duration::from_secs(60);
-const CATCH_UP: Duration = Duration::from_secs(90);
-
-/// Produces `requests` fleet requests, applying them to `reference` too; returns messages.
-async fn produce(
-    publisher: &KafkaPublisher,
-    fleet: &mut Fleet,
-    reference: &Index,
-    requests: usize,
-) -> usize {
-    let mut messages = 0;
-    for _ in 0..requests {
-        let events = fleet.next_request();
-        for ev in &events {
-            let _ = reference.apply(ev, 0);
-        }
-        messages += publish_kafka(publisher, &events).await;
-    }
-    publisher.flush(Duration::from_secs(30)).await.unwrap();
-    messages
-}
-
-fn reference_index(shards: usize) -> Index {
-    Index::new(IndexSettings { shards, seed: SEED })
-}
-
-/// The lookup answer over HTTP, as sorted (engine, matched blocks) pairs.
-fn http_answer(kv: &Kvindex, partition: &PartitionKey, tokens: &[u32]) -> Vec<(String, u64)> {
-    let (status, body) = kv.post(
-        "/v1/lookup",
-        &json!({
-            "tenant": partition.tenant, "model": partition.model, "adapter": partition.adapter,
-            "token_ids": tokens, "block_size": 16,
-        }),
-    );
-    assert_eq!(status, 200, "{body}");
-    let mut rows: Vec<(String, u64)> = body["engines"]
-        .as_array()
-        .unwrap_or_else(|| panic!("no engines in {body}"))
-        .iter()
-        .map(|r| {
-            (
-                r["engine_id"].as_str().unwrap().to_string(),
-                r["matched_blocks"].as_u64().unwrap(),
-            )
-        })
-        .collect();
-    rows.sort();
-    rows
-}
-
-fn reference_answer(index: &Index, partition: &PartitionKey, tokens: &[u32]) -> Vec<(String, u64)> {
-    let blocks = kvindex::index::QueryBlocks::Tokens {
-        token_ids: tokens.to_vec(),
-        block_size: 16,
-        extras: Vec::new(),
-    };
-    let mut rows: Vec<_> = index
-        .lookup(partition, &blocks)
-        .1
-        .to_vec()
-        .into_iter()
-        .map(|m| (m.engine_id, m.matched_blocks as u64))
-        .collect();
-    rows.sort();
-    rows
-}
-
-/// Waits until the log shows at least `log_end` (see `caught_up`) and all of it is applied.
-fn wait_caught_up(kv: &Kvindex, log_end: usize) -> Value {
-    wait_for("kvindex to catch up", CATCH_UP, || {
-        let s = kv.stats();
-        caught_up(&s, log_end as i64).then_some(s)
-    })
-}
-
-/// Readiness once caught up: the source loop re-evaluates it every acknowledgement tick
-/// (100 ms), so it may trail the stats by one tick (more on a loaded machine).
-fn wait_ready(kv: &Kvindex) {
-    wait_for("/readyz to answer 200", CATCH_UP, || {
-        let (status, _) = kv.get("/readyz");
-        (status == 200).then_some(())
-    })
-}
-
-fn sum(stats: &Value, field: &str) -> u64 {
-    stats["sources"]["partitions"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| p[field].as_u64().unwrap_or(0))
-        .sum()
-}
-
-fn blocking<T>(f: impl FnOnce() -> T) -> T {
-    tokio::task::block_in_place(f)
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn embedded_default_consumes_answers_and_restarts_warm() {
@@ -216,29 +116,6 @@ seed = {SEED}
             broker.bootstrap_servers()
         ),
     )
-}
-
-/// Offsets the group has committed, by partition.
-fn committed(broker: &EmbeddedBroker, topic: &str, group: &str, partitions: i32) -> Vec<i64> {
-    use rdkafka::consumer::{BaseConsumer, Consumer};
-    let consumer: BaseConsumer = rdkafka::ClientConfig::new()
-        .set("bootstrap.servers", broker.bootstrap_servers())
-        .set("group.id", group)
-        .create()
-        .unwrap();
-    let mut tpl = rdkafka::TopicPartitionList::new();
-    for p in 0..partitions {
-        tpl.add_partition(topic, p);
-    }
-    let got = consumer
-        .committed_offsets(tpl, Duration::from_secs(5))
-        .unwrap();
-    (0..partitions)
-        .map(|p| match got.find_partition(topic, p).map(|e| e.offset()) {
-            Some(rdkafka::Offset::Offset(o)) => o,
-            _ => -1,
-        })
-        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -380,43 +257,6 @@ async fn a_recreated_shorter_topic_is_a_divergence_unless_reset() {
     );
     blocking(|| wait_ready(&kv));
     blocking(|| kv.terminate());
-}
-
-fn unique(prefix: &str) -> String {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
-    format!("{prefix}_{}_{nanos}", std::process::id())
-}
-
-async fn nats_publisher() -> NatsPublisher {
-    NatsPublisher::connect("nats://127.0.0.1:4222", true)
-        .await
-        .expect(
-            "NATS with JetStream must be running at 127.0.0.1:4222 (scripts/setup.sh starts it)",
-        )
-}
-
-/// Publishes `requests` fleet requests to NATS, applying them to `reference` too, and waits for
-/// the server's acks; returns how many messages were published.
-async fn produce_nats(
-    p: &mut NatsPublisher,
-    prefix: &str,
-    fleet: &mut Fleet,
-    reference: &Index,
-    requests: usize,
-) -> usize {
-    let mut sent = 0;
-    for _ in 0..requests {
-        let events = fleet.next_request();
-        for ev in &events {
-            let _ = reference.apply(ev, 0);
-        }
-        sent += publish_nats(p, prefix, &events).await;
-    }
-    p.flush().await.unwrap();
-    sent
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -68,6 +68,7 @@ fn settings(broker: &EmbeddedBroker, group: Option<&str>, start: StartPosition) 
         brokers: broker.bootstrap_servers(),
         topic: TOPIC.into(),
         group_id: group.map(str::to_string),
+        subscribe: group.is_some(),
         partitions: None,
         start,
         properties: BTreeMap::new(),

@@ -75,6 +75,8 @@ impl TestStream {
             jetstream: true,
             reset_on_divergence: false,
             auth: Default::default(),
+            owner: "test-replica".into(),
+            transient: false,
         }
     }
     fn source_name(&self) -> String {

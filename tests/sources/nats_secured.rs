@@ -2,8 +2,9 @@
 //! the server against `source.nats.tls_ca`, shows its own client certificate
 //! (`tls_cert`/`tls_key`, which the server requires) and logs in as `user` with the password
 //! from `KVINDEX_SOURCE__NATS__PASSWORD`; it indexes what a publisher sends through the same
-//! settings, and the password appears nowhere in its debug log. With a wrong password it
-//! indexes nothing and its status says why.
+//! settings (a publisher, and `kvindex produce` with its `--nats-*` flags), and the password
+//! appears nowhere in its debug log. With a wrong password it indexes nothing and its status
+//! says why.
 
 use crate::support::*;
 use kvindex::config::Secret;
@@ -158,6 +159,55 @@ shards = 2
         blocks > 0 && stats["index"]["memberships"].as_u64().unwrap_or(0) > 0,
         "{stats}"
     );
+
+    // `kvindex produce` through the same TLS and password (from the environment).
+    let produce = |password: &str| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_kvindex"))
+            .args([
+                "produce",
+                "--requests",
+                "30",
+                "--engines",
+                "3",
+                "--nats",
+                &url,
+            ])
+            .args(["--stream", "KV_SECURED", "--subject-prefix", "kvsec.events"])
+            .args(["--nats-user", USER, "--nats-tls-ca"])
+            .arg(&ca)
+            .arg("--nats-tls-cert")
+            .arg(&client_cert)
+            .arg("--nats-tls-key")
+            .arg(&client_key)
+            .env("KVINDEX_SOURCE__NATS__PASSWORD", password)
+            .env("KVINDEX_LOG", "warn")
+            .output()
+            .expect("running kvindex produce")
+    };
+    let out = tokio::task::block_in_place(|| produce("wrong"));
+    assert!(!out.status.success(), "a wrong password is refused");
+    let out = tokio::task::block_in_place(|| produce(&password));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let js = async_nats::jetstream::new(publisher.client().clone());
+    let last = js
+        .get_stream("KV_SECURED")
+        .await
+        .unwrap()
+        .cached_info()
+        .state
+        .last_sequence as i64;
+    assert!(last > sent, "produce published nothing");
+    tokio::task::block_in_place(|| {
+        wait_for(
+            "serve to index what produce sent",
+            Duration::from_secs(60),
+            || caught_up(&kv.stats(), last + 1).then_some(()),
+        )
+    });
     tokio::task::block_in_place(|| kv.terminate());
     let log = std::fs::read_to_string(&log_path).unwrap();
     assert!(log.contains("nats: connected"), "debug log: {log}");

@@ -1,7 +1,9 @@
-//! The Kafka source: an rdkafka consumer, in a consumer group (cooperative-sticky) or on an
-//! explicit partition list. Here: the source and its poll loop; `position.rs`: where partitions
-//! start, divergence, watermarks; `rebalance.rs`: the rebalance callback; `publisher.rs`:
-//! producing; `wire.rs`: keys and headers, both directions; `embedded.rs`: the in-process broker.
+//! The Kafka source: an rdkafka consumer on an explicit partition list (every partition by
+//! default: what the service runs, so that replicas each read everything), or in a consumer
+//! group (cooperative-sticky). Here: the source and its poll loop; `position.rs`: where
+//! partitions start, divergence, watermarks; `rebalance.rs`: the rebalance callback;
+//! `publisher.rs`: producing; `wire.rs`: keys and headers, both directions; `embedded.rs`: the
+//! in-process broker.
 //!
 //! # Positions are kvindex's, not the broker's
 //!
@@ -97,10 +99,13 @@ pub struct KafkaSettings {
     /// `bootstrap.servers`.
     pub brokers: String,
     pub topic: String,
-    /// Consumer group; `None` = explicit partitions (all of the topic's unless `partitions`).
-    /// With both a group and `partitions`, the partitions are assigned explicitly and the group
-    /// is used only for [`KafkaSource::commit`].
+    /// Consumer group: where [`KafkaSource::commit`] writes (`None` = nowhere), and with
+    /// `subscribe`, the group whose assignment is consumed.
     pub group_id: Option<String>,
+    /// Join the group and consume what it assigns (needs `group_id`, and no `partitions`).
+    /// `false`: assign `partitions`, or every partition of the topic, explicitly; replicas
+    /// then each read everything, whatever group they commit to.
+    pub subscribe: bool,
     pub partitions: Option<Vec<i32>>,
     /// Where partitions without a checkpoint start.
     pub start: StartPosition,
@@ -113,7 +118,8 @@ pub struct KafkaSettings {
     pub log_is_ephemeral: bool,
 }
 
-/// `[source.kafka]` (an empty `group_id` = explicit partitions), stopping on divergence.
+/// `[source.kafka]`: every partition (or those listed) assigned explicitly, commits to
+/// `group_id` unless it is empty, stopping on divergence.
 impl TryFrom<&KafkaConfig> for KafkaSettings {
     type Error = ConfigError;
 
@@ -122,6 +128,7 @@ impl TryFrom<&KafkaConfig> for KafkaSettings {
             brokers: k.brokers.clone(),
             topic: k.topic.clone(),
             group_id: Some(k.group_id.clone()).filter(|g| !g.is_empty()),
+            subscribe: false,
             partitions: (!k.partitions.is_empty()).then(|| k.partitions.clone()),
             start: k.start_position()?,
             properties: k.properties.clone(),
@@ -226,7 +233,7 @@ impl KafkaSource {
         }
         cfg.set("bootstrap.servers", &settings.brokers);
         let mode = match (&settings.group_id, &settings.partitions) {
-            (Some(_), None) => Mode::Group,
+            (Some(_), None) if settings.subscribe => Mode::Group,
             (_, parts) => Mode::Explicit(parts.clone()),
         };
         cfg.set(

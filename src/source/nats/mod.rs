@@ -32,6 +32,18 @@
 //! repositioned (deleted and recreated at the next undelivered sequence) instead of delivering
 //! out of order. Messages that arrive over a new connection on an old pull are discarded.
 //!
+//! ## One consumer per replica
+//!
+//! Two processes pulling from one durable would split the stream between them, and each
+//! repositioning would delete the other's consumer. The consumer's description names its
+//! owner (`kvindex replica <id>`, from [`NatsSettings::owner`]); an existing durable that
+//! names another owner who is consuming from it (a pull request waiting, or a delivery or ack
+//! within [`PULL_EXPIRES`]) is left alone: positioning fails with an error naming that replica
+//! and is retried with backoff, so nothing is consumed until the configuration is fixed. A
+//! durable whose owner has gone quiet that long (a killed process's last pull expires too) is
+//! taken over. The default durable name, `kvindex-{replica_id}`, keeps replicas apart
+//! without any of this.
+//!
 //! ## Acks
 //!
 //! The consumer uses `AckPolicy::All`. `commit` (`(0, next)`) is called only once
@@ -111,6 +123,8 @@ const RETRY_MAX: Duration = Duration::from_secs(5);
 const STATUS_REFRESH: Duration = Duration::from_secs(1);
 /// Repeated warnings of one kind are logged at most this often.
 const WARN_EVERY: Duration = Duration::from_secs(10);
+/// How long the server keeps a transient consumer nobody pulls from.
+pub const TRANSIENT_IDLE: Duration = Duration::from_secs(60);
 
 /// Everything the NATS source needs (see `[source.nats]` in the configuration).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -128,6 +142,13 @@ pub struct NatsSettings {
     pub reset_on_divergence: bool,
     /// TLS and credentials.
     pub auth: NatsAuth,
+    /// The replica this consumer belongs to (its id), written into the consumer's
+    /// description: a durable that another owner is pulling from is never taken over (see
+    /// "One consumer per replica" in the module docs). `""` = no owner.
+    pub owner: String,
+    /// A short-lived consumer (the rebuild's): deleted on close, and by the server after
+    /// [`TRANSIENT_IDLE`] without a pull should the process die first.
+    pub transient: bool,
 }
 
 /// `[source.nats]`, stopping on divergence.
@@ -142,6 +163,8 @@ impl From<&NatsConfig> for NatsSettings {
             jetstream: cfg.jetstream,
             reset_on_divergence: false,
             auth: NatsAuth::from(cfg),
+            owner: String::new(),
+            transient: false,
         }
     }
 }
@@ -613,9 +636,25 @@ impl EventSource for NatsSource {
         self.health.divergences
     }
 
-    /// Sends what is still buffered (the last acks), waiting at most 2 s.
+    /// Sends what is still buffered (the last acks), waiting at most 2 s; deletes a transient
+    /// consumer.
     async fn close(&mut self) {
         let _ = tokio::time::timeout(Duration::from_secs(2), self.client.flush()).await;
+        if let (true, Mode::JetStream(js)) = (self.settings.transient, &self.mode) {
+            let (stream, durable) = (&self.settings.stream, &self.settings.durable);
+            let delete = js.context.delete_consumer_from_stream(durable, stream);
+            match tokio::time::timeout(Duration::from_secs(2), delete).await {
+                Ok(Ok(_)) => {
+                    tracing::debug!(durable = %durable, "nats: transient consumer deleted")
+                }
+                Ok(Err(e)) => {
+                    tracing::warn!(durable = %durable, error = %e, "nats: cannot delete the transient consumer (the server drops it once idle)")
+                }
+                Err(_) => {
+                    tracing::warn!(durable = %durable, "nats: deleting the transient consumer timed out (the server drops it once idle)")
+                }
+            }
+        }
     }
 }
 

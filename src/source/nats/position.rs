@@ -6,7 +6,7 @@
 
 use super::{
     ACK_WAIT, MAX_ACK_PENDING, NatsSource, POSITION_TIMEOUT, PULL_BATCH, PULL_EXPIRES,
-    PULL_HEARTBEAT, Pulled, Reader, Watermarks, nats_err, to_message,
+    PULL_HEARTBEAT, Pulled, Reader, TRANSIENT_IDLE, Watermarks, nats_err, to_message,
 };
 use crate::source::{Divergence, SourceError};
 use async_nats::jetstream::{
@@ -130,8 +130,15 @@ impl NatsSource {
                 start_sequence: self.position as u64,
             }
         };
+        let description = owner_description(&self.settings.owner);
         let config = pull::Config {
             durable_name: Some(durable.clone()),
+            description: description.clone(),
+            inactive_threshold: if self.settings.transient {
+                TRANSIENT_IDLE
+            } else {
+                Default::default()
+            },
             deliver_policy: start,
             ack_policy: AckPolicy::All,
             ack_wait: ACK_WAIT,
@@ -142,6 +149,13 @@ impl NatsSource {
 
         let reuse = match stream.consumer_info(&durable).await {
             Ok(ci) => {
+                if let Some(other) = pulled_by_other_owner(&ci, &description) {
+                    return Err(SourceError::Config(format!(
+                        "durable consumer `{durable}` is in use by {other}, which is pulling from \
+                         it: each replica needs a durable of its own (leave source.nats.durable \
+                         at its default, `kvindex-{{replica_id}}`); not touching it"
+                    )));
+                }
                 let delivered = ci.delivered.stream_sequence as i64;
                 let at_start = if from_start {
                     delivered < marks.low
@@ -152,7 +166,8 @@ impl NatsSource {
                     && ci.config.deliver_subject.is_none()
                     && ci.config.ack_wait == ACK_WAIT
                     && ci.config.max_ack_pending == MAX_ACK_PENDING
-                    && ci.config.filter_subject == filter_subject;
+                    && ci.config.filter_subject == filter_subject
+                    && ci.config.description == description;
                 let idle = ci.num_ack_pending == 0
                     && ci.ack_floor.stream_sequence == ci.delivered.stream_sequence;
                 if !(ours && idle && at_start) {
@@ -261,4 +276,30 @@ impl NatsSource {
         }
         Pulled::Deliver(to_message(&m.message, seq, self.settings.engine_token))
     }
+}
+
+/// What a consumer's description says of its owner.
+const OWNER_PREFIX: &str = "kvindex replica ";
+
+/// The description of a consumer `owner` makes (`None` without an owner).
+fn owner_description(owner: &str) -> Option<String> {
+    (!owner.is_empty()).then(|| format!("{OWNER_PREFIX}{owner}"))
+}
+
+/// The owner of `ci` (as its description says) when it is not us and is consuming from it:
+/// a pull request waiting, or a delivery or ack within the last [`PULL_EXPIRES`]. Consumers
+/// without an owner, and owners gone quiet, can be taken over.
+fn pulled_by_other_owner(ci: &jetstream::consumer::Info, ours: &Option<String>) -> Option<String> {
+    let theirs = ci.config.description.as_deref()?;
+    let owner = theirs.strip_prefix(OWNER_PREFIX)?;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() as i64);
+    let quiet_for = PULL_EXPIRES.as_secs() as i64;
+    let active = ci.num_waiting > 0
+        || [ci.delivered.last_active, ci.ack_floor.last_active]
+            .into_iter()
+            .flatten()
+            .any(|at| now - at.unix_timestamp() < quiet_for);
+    (ours.as_deref() != Some(theirs) && active).then(|| format!("replica `{owner}`"))
 }
