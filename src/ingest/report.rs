@@ -51,6 +51,11 @@ pub struct PartitionProgress {
     pub events_applied: u64,
     pub duplicates_skipped: u64,
     pub divergence: Option<Divergence>,
+    /// Messages of the partition reached the pipeline (or its offsets were restored) and not
+    /// every shard has applied one yet: how far it is applied is unknown, and the source's
+    /// position, which runs ahead of the shards, must not stand in for it.
+    #[serde(skip)]
+    pub pending: bool,
 }
 
 /// What the ingest loop last saw of its source.
@@ -77,16 +82,22 @@ pub struct SourceReport {
 
 impl PartitionProgress {
     /// Next offset applied: the shards' minimum, or the source position while nothing of the
-    /// partition was delivered in this process (an empty partition, a `latest` start).
-    fn applied(&self) -> i64 {
-        self.applied_offset.unwrap_or(self.position)
+    /// partition reached the pipeline in this process (an empty partition, a `latest` start);
+    /// `None` while it is [`pending`](PartitionProgress::pending) or unknown.
+    fn applied(&self) -> Option<i64> {
+        match self.applied_offset {
+            Some(applied) => Some(applied),
+            None if self.pending => None,
+            None => Some(self.position),
+        }
+        .filter(|&a| a >= 0)
     }
 
     fn caught_up(&self) -> bool {
         self.divergence.is_none()
             && self
                 .high_watermark_at_start
-                .is_some_and(|h| self.applied() >= 0 && self.applied() >= h)
+                .is_some_and(|h| self.applied().is_some_and(|a| a >= h))
     }
 }
 
@@ -124,9 +135,10 @@ impl SourceReport {
                     events_applied: p.map_or(0, |p| p.events_applied.load(Relaxed)),
                     duplicates_skipped: p.map_or(0, |p| p.duplicates.load(Relaxed)),
                     divergence: s.divergence.clone(),
+                    pending: p.is_some_and(|p| p.applied_next().is_none()),
                 };
-                if view.high_watermark >= 0 && view.applied() >= 0 {
-                    view.lag = (view.high_watermark - view.applied()).max(0);
+                if let Some(applied) = view.applied().filter(|_| view.high_watermark >= 0) {
+                    view.lag = (view.high_watermark - applied).max(0);
                 }
                 view
             })
@@ -207,5 +219,31 @@ impl SourceReport {
         let mut s = self.snapshot.lock();
         s.batches += 1;
         s.messages += messages as u64;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn partition(applied_offset: Option<i64>, pending: bool) -> PartitionProgress {
+        PartitionProgress {
+            applied_offset,
+            position: 100,
+            high_watermark: 100,
+            high_watermark_at_start: Some(100),
+            pending,
+            ..PartitionProgress::default()
+        }
+    }
+
+    #[test]
+    fn the_source_position_stands_in_only_while_nothing_reached_the_pipeline() {
+        // Nothing delivered (an empty partition, a `latest` start): caught up at the position.
+        assert!(partition(None, false).caught_up());
+        // Delivered up to the log end, not yet applied by every shard: not caught up.
+        assert!(!partition(None, true).caught_up());
+        assert!(!partition(Some(40), false).caught_up());
+        assert!(partition(Some(100), false).caught_up());
     }
 }

@@ -17,9 +17,12 @@ pub fn caught_up(stats: &Value, log_end: i64) -> bool {
         && ends >= log_end
         && parts.iter().all(|p| {
             let high = p["high_watermark"].as_i64().unwrap_or(-1);
+            // The source's position stands in only for an empty partition: elsewhere it runs
+            // ahead of what the shards have applied.
+            let empty = p["low_watermark"].as_i64() == Some(high);
             let applied = p["applied_offset"]
                 .as_i64()
-                .or(p["position"].as_i64())
+                .or(p["position"].as_i64().filter(|_| empty))
                 .unwrap_or(-2);
             high >= 0 && applied >= high
         })
