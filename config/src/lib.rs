@@ -208,6 +208,16 @@ pub struct ClusterConfig {
     pub replica_id: String,
 }
 
+/// Whether `id` can be a replica id: 1 to 64 letters, digits, `-` and `_` (it goes into
+/// consumer group and JetStream consumer names).
+pub fn is_valid_replica_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= 64
+        && id
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+}
+
 impl Config {
     /// Fixes the replica id (`cluster.replica_id` when set, else `generated`) and writes it
     /// wherever [`REPLICA_ID_PLACEHOLDER`] stands. Returns the id.

@@ -167,8 +167,7 @@ impl Config {
     /// The replica id and the consumer names made from it.
     fn validate_names(&self) -> Result<(), ConfigError> {
         let id = &self.cluster.replica_id;
-        let id_ok = |c: char| c.is_ascii_alphanumeric() || c == '-' || c == '_';
-        if id.len() > 64 || !id.chars().all(id_ok) {
+        if !id.is_empty() && !crate::is_valid_replica_id(id) {
             return Err(ConfigError::invalid(
                 "cluster.replica_id",
                 format!("letters, digits, `-` and `_` only, at most 64 of them, got `{id}`"),

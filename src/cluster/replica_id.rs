@@ -4,7 +4,7 @@
 //! Stable as long as the data dir lives: a restart, even after `kill -9`, comes back under
 //! the same name and finds its consumer where it left it.
 
-use crate::config::Config;
+use crate::config::{Config, is_valid_replica_id};
 
 /// The file in `data_dir` holding the generated id.
 pub const REPLICA_ID_FILE: &str = "replica-id";
@@ -26,7 +26,7 @@ pub fn replica_id(config: &Config) -> std::io::Result<String> {
     match std::fs::read_to_string(&path) {
         Ok(kept) => {
             let kept = kept.trim();
-            if is_valid(kept) {
+            if is_valid_replica_id(kept) {
                 return Ok(kept.to_string());
             }
             Err(std::io::Error::new(
@@ -46,14 +46,6 @@ pub fn replica_id(config: &Config) -> std::io::Result<String> {
         }
         Err(e) => Err(e),
     }
-}
-
-fn is_valid(id: &str) -> bool {
-    !id.is_empty()
-        && id.len() <= 64
-        && id
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
 }
 
 /// The host name, lowercased, reduced to letters, digits and `-`, at most 32 characters
@@ -101,7 +93,7 @@ mod tests {
         let a = tempfile::tempdir().unwrap();
         let b = tempfile::tempdir().unwrap();
         let first = replica_id(&config_in(a.path())).unwrap();
-        assert!(is_valid(&first), "{first}");
+        assert!(is_valid_replica_id(&first), "{first}");
         assert_eq!(replica_id(&config_in(a.path())).unwrap(), first);
         assert_ne!(replica_id(&config_in(b.path())).unwrap(), first);
     }
