@@ -1,7 +1,8 @@
 # syntax=docker/dockerfile:1
 # kvindex container image. Multi-stage: the builder compiles the release binary (RocksDB and
 # librdkafka are built from source by their crates, hence the C/C++ toolchain, libclang for
-# bindgen and protoc for the event contract); the runtime is a slim Debian with the binary only.
+# bindgen, protoc for the event contract and OpenSSL's headers for librdkafka's TLS); the
+# runtime is a slim Debian with the binary only.
 #
 #   docker build -t kvindex .          (or: docker compose build)
 #
@@ -11,7 +12,7 @@
 FROM rust:1-bookworm AS builder
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
-      protobuf-compiler libclang-dev g++ make \
+      protobuf-compiler libclang-dev libssl-dev pkg-config g++ make \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY Cargo.toml Cargo.lock ./
@@ -27,11 +28,11 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
  && install -m 0755 target/release/kvindex /usr/local/bin/kvindex
 
 FROM debian:bookworm-slim
-# libstdc++ (RocksDB, librdkafka), zlib (librdkafka); curl for the healthcheck and for poking
+# libstdc++ (RocksDB, librdkafka), zlib and OpenSSL (librdkafka); curl for the healthcheck and for poking
 # the API from inside the container.
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
-      libstdc++6 zlib1g ca-certificates curl \
+      libstdc++6 zlib1g libssl3 ca-certificates curl \
  && rm -rf /var/lib/apt/lists/* \
  && groupadd --system --gid 10001 kvindex \
  && useradd --system --uid 10001 --gid kvindex --home-dir /var/lib/kvindex --shell /usr/sbin/nologin kvindex \

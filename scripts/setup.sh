@@ -9,6 +9,8 @@ dpkg -s libclang-dev >/dev/null 2>&1 || missing+=(libclang-dev)
 command -v g++ >/dev/null 2>&1 || missing+=(g++)
 command -v make >/dev/null 2>&1 || missing+=(make)
 dpkg -s libzmq3-dev >/dev/null 2>&1 || missing+=(libzmq3-dev)
+# librdkafka with TLS (the rdkafka crate's `ssl` feature) links the system OpenSSL.
+dpkg -s libssl-dev >/dev/null 2>&1 || missing+=(libssl-dev)
 command -v pkg-config >/dev/null 2>&1 || missing+=(pkg-config)
 # promtool (Prometheus's own checker) validates /metrics in the tests.
 command -v promtool >/dev/null 2>&1 || missing+=(prometheus)

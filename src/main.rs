@@ -58,6 +58,9 @@ enum BenchCommand {
     /// JetStream ingest: `kvindex serve` indexing a pre-filled stream durably, against a plain
     /// pull consumer draining the same stream.
     Ingest(cli::bench_ingest::IngestArgs),
+    /// A long run of ingest and lookups at a share of the probed capacity: resident set,
+    /// lag, latency per window and the logs.
+    Soak(cli::bench_soak::SoakArgs),
 }
 
 fn init_tracing() {
@@ -92,6 +95,7 @@ fn main() -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Http(args)) => cli::bench_http::http(args),
         Command::Bench(BenchCommand::Bridge(args)) => cli::bench_bridge::bridge(args),
         Command::Bench(BenchCommand::Ingest(args)) => cli::bench_ingest::ingest(args),
+        Command::Bench(BenchCommand::Soak(args)) => cli::bench_soak::soak(args),
     }
 }
 

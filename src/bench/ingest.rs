@@ -126,6 +126,27 @@ pub async fn fill_stream(
     Ok(info.state.last_sequence)
 }
 
+/// Creates `stream` (subjects `<prefix>.>`) holding at most `max_bytes`, the oldest messages
+/// discarded first: a long run's stream that a consumer near its head reads.
+pub async fn create_capped_stream(
+    url: &str,
+    stream: &str,
+    prefix: &str,
+    max_bytes: i64,
+) -> Result<(), SourceError> {
+    let publisher = NatsPublisher::connect(url, true).await?;
+    jetstream_of(publisher.client())
+        .create_stream(jetstream::stream::Config {
+            name: stream.to_string(),
+            subjects: vec![format!("{prefix}.>")],
+            max_bytes,
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| nats_err(&format!("create stream `{stream}`"), e))?;
+    Ok(())
+}
+
 /// Deletes `stream`.
 pub async fn delete_stream(url: &str, stream: &str) -> Result<(), SourceError> {
     let publisher = NatsPublisher::connect(url, true).await?;

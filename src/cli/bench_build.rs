@@ -7,7 +7,7 @@
 use anyhow::{Context, bail};
 use kvindex::config::Config;
 use kvindex::event::DecodeSettings;
-use kvindex::event::{BlockContent, EngineHash, Event, EventKind, encode};
+use kvindex::event::{BlockContent, EngineHash, Event, EventKind, PartitionKey, encode};
 use kvindex::service::{Service, store_dir};
 use kvindex::sim::{Fleet, FleetSettings};
 use kvindex::source::Message;
@@ -155,14 +155,18 @@ fn write_queries(fleet: &mut Fleet, path: &Path) -> anyhow::Result<()> {
     );
     for _ in 0..QUERIES {
         let (p, tokens) = fleet.sample_query();
-        let body = serde_json::json!({
-            "model": p.model, "tenant": p.tenant, "adapter": p.adapter, "token_ids": tokens,
-        });
-        serde_json::to_writer(&mut out, &body)?;
+        serde_json::to_writer(&mut out, &lookup_body(&p, &tokens))?;
         out.write_all(b"\n")?;
     }
     out.flush()?;
     Ok(())
+}
+
+/// The body of a token lookup of `tokens` in partition `p`.
+pub fn lookup_body(p: &PartitionKey, tokens: &[u32]) -> serde_json::Value {
+    serde_json::json!({
+        "model": p.model, "tenant": p.tenant, "adapter": p.adapter, "token_ids": tokens,
+    })
 }
 
 /// The lookup bodies written by [`build_once`].

@@ -62,7 +62,8 @@ impl LoadGenerator {
     }
 }
 
-fn percentile(sorted: &[u32], q: f64) -> f64 {
+/// The `q` quantile of `sorted` latencies (nearest rank; 0 when empty).
+pub fn percentile(sorted: &[u32], q: f64) -> f64 {
     match sorted.len() {
         0 => 0.0,
         n => f64::from(sorted[((n - 1) as f64 * q).round() as usize]),

@@ -45,6 +45,7 @@ pub mod bench_http;
 pub mod bench_ingest;
 pub mod bench_load;
 pub mod bench_restart;
+pub mod bench_soak;
 pub mod bridge;
 pub mod produce;
 pub mod rebuild;

@@ -37,6 +37,10 @@ pub struct ProduceArgs {
     pub models: usize,
     #[arg(long, default_value_t = 16)]
     pub block_size: u32,
+    /// Blocks each engine's cache holds; beyond that it evicts (so the index reaches a steady
+    /// size).
+    #[arg(long, default_value_t = FleetSettings::default().capacity_blocks)]
+    pub capacity_blocks: usize,
     /// Simulated requests (0 = until Ctrl-C or `--seconds`). Ctrl-C stops early, still with a
     /// flush and the summary.
     #[arg(long, default_value_t = 10_000)]
@@ -421,6 +425,7 @@ fn fleet_config(args: &ProduceArgs) -> FleetSettings {
         tenants: args.tenants,
         models: args.models,
         block_size: args.block_size,
+        capacity_blocks: args.capacity_blocks,
         seed: args.seed,
         ..FleetSettings::default()
     }

@@ -184,8 +184,8 @@ impl SourceReport {
     /// Takes a fresh status from the source; returns whether the service is ready.
     pub(super) fn refresh(&self, source: &impl EventSource, metrics: &Metrics) -> bool {
         let mut snap = self.snapshot.lock();
-        snap.connected = true;
-        snap.error = None;
+        snap.error = source.trouble();
+        snap.connected = snap.error.is_none();
         snap.partitions = source.status();
         snap.divergences_total = source.divergences_total();
         for (p, h) in source.high_watermarks_at_start() {

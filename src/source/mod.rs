@@ -161,6 +161,12 @@ pub trait EventSource: Sized {
     /// Divergences detected since connecting.
     fn divergences_total(&self) -> u64;
 
+    /// Why the brokers are not being read right now, for a source that keeps retrying inside
+    /// (`None`: nothing known to be wrong).
+    fn trouble(&self) -> Option<String> {
+        None
+    }
+
     /// Sends what is still buffered (the last acknowledgements). Call after the last `commit`.
     async fn close(&mut self);
 }

@@ -146,3 +146,59 @@ fn bench_ingest_holds_serve_against_a_plain_drain_of_the_same_stream() {
         assert!(ratio > 0.0, "{out}");
     }
 }
+
+/// `kvindex bench soak`, shortened: it probes the capacity, offers half of it (ingest through
+/// the local JetStream, lookups over HTTP) and reports every window; the run must be clean (no
+/// stall, nothing logged at warning level or above) and every window must have applied events
+/// and answered lookups.
+#[test]
+fn bench_soak_reports_every_window_of_a_clean_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = kvindex(&[
+        "bench",
+        "soak",
+        "--data-dir",
+        dir.path().join("soak").to_str().unwrap(),
+        "--seconds",
+        "40",
+        "--window-seconds",
+        "20",
+        "--probe-seconds",
+        "5",
+        "--sample-seconds",
+        "4",
+        "--engines",
+        "8",
+        "--capacity-blocks",
+        "512",
+        "--connections",
+        "2",
+    ]);
+    let rows: Vec<Vec<f64>> = out
+        .lines()
+        .filter(|l| l.trim_start().starts_with(|c: char| c.is_ascii_digit()))
+        .filter(|l| l.contains('-'))
+        .map(|l| {
+            l.split_whitespace()
+                .skip(1)
+                .map(|x| x.parse().unwrap_or_else(|_| panic!("`{x}` in `{l}`")))
+                .collect()
+        })
+        .collect();
+    assert_eq!(rows.len(), 2, "two windows:\n{out}");
+    for row in &rows {
+        // k block events/s, max lag, lookups/s, p50, p99, max, non-200, RSS MiB.
+        assert!(
+            row[0] > 0.0 && row[2] > 0.0,
+            "a window without traffic:\n{out}"
+        );
+        assert_eq!(row[6], 0.0, "lookups refused:\n{out}");
+        assert!(row[7] > 0.0, "{out}");
+    }
+    assert!(out.contains("stalls: 0"), "{out}");
+    assert!(
+        out.contains("log lines at warning level or above: 0"),
+        "{out}"
+    );
+    assert!(out.contains("slope"), "{out}");
+}

@@ -534,6 +534,8 @@ async fn survives_broker_down_and_request_errors() {
         msgs.extend(b);
     }
     assert!(t.elapsed() < Duration::from_secs(10));
+    let trouble = src.trouble();
+    assert!(trouble.is_some(), "the status says why nothing arrives");
     broker.mock().broker_up(1).unwrap();
 
     // Failing fetches and dropped connections mid-stream.
@@ -566,6 +568,12 @@ async fn survives_broker_down_and_request_errors() {
     .await;
     msgs.extend(rest);
     assert_exact(&msgs, &BTreeMap::new(), &wm);
+    // Once the brokers answer again, the trouble is over (the next watermark refresh says so).
+    let end = Instant::now() + Duration::from_secs(10);
+    while src.trouble().is_some() && Instant::now() < end {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(src.trouble(), None, "was: {trouble:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -6,52 +6,15 @@
 //! appears nowhere in its debug log. With a wrong password it indexes nothing and its status
 //! says why.
 
+use crate::support::tls::certificates;
 use crate::support::*;
 use kvindex::config::Secret;
 use kvindex::sim::{Fleet, FleetSettings};
 use kvindex::source::NatsPublisher;
 use kvindex::source::nats::NatsAuth;
-use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair};
-use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 const USER: &str = "kvindex";
-
-/// A CA, a server certificate for 127.0.0.1 and a client certificate, as PEM files in `dir`:
-/// (ca, server cert, server key, client cert, client key).
-fn certificates(dir: &Path) -> [PathBuf; 5] {
-    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca_params
-        .distinguished_name
-        .push(DnType::CommonName, "kvindex test CA");
-    let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate().unwrap()).unwrap();
-    let leaf = |names: Vec<String>| {
-        let key = KeyPair::generate().unwrap();
-        let cert = CertificateParams::new(names)
-            .unwrap()
-            .signed_by(&key, &ca)
-            .unwrap();
-        (cert.pem(), key.serialize_pem())
-    };
-    let (server, server_key) = leaf(vec!["127.0.0.1".into(), "localhost".into()]);
-    let (client, client_key) = leaf(vec!["kvindex-client".into()]);
-    let files = [
-        "ca.pem",
-        "server.pem",
-        "server-key.pem",
-        "client.pem",
-        "client-key.pem",
-    ]
-    .map(|name| dir.join(name));
-    for (path, pem) in files
-        .iter()
-        .zip([ca.pem(), server, server_key, client, client_key])
-    {
-        std::fs::write(path, pem).unwrap();
-    }
-    files
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serve_reads_a_nats_server_with_mutual_tls_and_a_password_and_never_logs_it() {

@@ -4,13 +4,17 @@
 //! - [`brokers`]: publishing to Kafka, the shared NATS server and private ones, unique names;
 //! - [`events`]: building events;
 //! - [`state`]: comparing indexes ([`Fingerprint`]) and reading a service's catch-up state;
+//! - [`tls`]: certificates made in the test; [`kafka_tls`]: a TLS front for the embedded
+//!   Kafka broker;
 //! - here: polling, config files, and the seeded generator.
 #![allow(dead_code, unused_imports)] // each test binary uses a different subset
 
 pub mod brokers;
 pub mod events;
+pub mod kafka_tls;
 pub mod process;
 pub mod state;
+pub mod tls;
 
 pub use brokers::{PrivateServer, publish_kafka, publish_nats, require_nats, unique_id};
 pub use process::{Kvindex, http, spawn_kvindex, spawn_kvindex_logging_to};

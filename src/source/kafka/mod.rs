@@ -176,8 +176,13 @@ struct Shared {
     checkpoints: Arc<dyn Checkpoints>,
     state: Mutex<State>,
     divergences: AtomicU64,
-    /// Broker trouble, logged at most every [`WARN_EVERY`].
+    /// Broker trouble, logged at most every [`WARN_EVERY`]: transient (a warning) and with a
+    /// named cause (an error: TLS, authentication, ...), each on its own clock.
     warnings: LogEvery,
+    errors: LogEvery,
+    /// The last broker trouble (a TLS handshake refused, brokers unreachable, metadata not
+    /// fetched) since the last successful exchange with the brokers: the status shows it.
+    trouble: Mutex<Option<String>>,
 }
 
 enum Mode {
@@ -250,6 +255,8 @@ impl KafkaSource {
             checkpoints,
             state: Mutex::new(State::default()),
             warnings: LogEvery::new(WARN_EVERY),
+            errors: LogEvery::new(WARN_EVERY),
+            trouble: Mutex::new(None),
             divergences: AtomicU64::new(0),
         });
         let consumer: BaseConsumer<Ctx> = cfg
@@ -375,6 +382,12 @@ impl EventSource for KafkaSource {
     /// Partitions stopped because their checkpoint diverged from the log, since creation.
     fn divergences_total(&self) -> u64 {
         self.inner.shared.divergences.load(Ordering::Relaxed)
+    }
+
+    /// Broker trouble since the last successful exchange with the brokers (librdkafka retries
+    /// by itself; this says why nothing arrives meanwhile).
+    fn trouble(&self) -> Option<String> {
+        self.inner.shared.trouble.lock().clone()
     }
 
     /// Nothing buffered: commits are handed to librdkafka at once.

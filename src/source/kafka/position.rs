@@ -268,10 +268,37 @@ impl Shared {
         st.ready.retain(|m| !partitions.contains(&m.partition));
     }
 
+    /// Transient broker trouble (unreachable, transport failures): a warning, and the status's
+    /// reason unless a more specific one is already known.
     pub(super) fn warn_rate_limited(&self, what: &str, error: &KafkaError) {
+        self.note_trouble(what, error, false);
         if self.warnings.ready() {
             tracing::warn!(topic = %self.topic, %error, "kafka: {what} (retrying)");
         }
+    }
+
+    /// Broker trouble with a named cause (a TLS handshake refused, authentication failed): an
+    /// error, and the status's reason, over any transient one.
+    pub(super) fn error_rate_limited(&self, what: &str, error: &KafkaError) {
+        self.note_trouble(what, error, true);
+        if self.errors.ready() {
+            tracing::error!(topic = %self.topic, %error, reason = what, "librdkafka error (retrying)");
+        }
+    }
+
+    /// Keeps `what` failed with `error` for the status, until [`Shared::clear_trouble`]. A
+    /// transient failure does not replace the cause already known (brokers become
+    /// unreachable *because* the handshake failed).
+    fn note_trouble(&self, what: &str, error: &KafkaError, specific: bool) {
+        let mut trouble = self.trouble.lock();
+        if specific || trouble.is_none() {
+            *trouble = Some(format!("{what}: {error}"));
+        }
+    }
+
+    /// An exchange with the brokers succeeded: whatever troubled them is over.
+    pub(super) fn clear_trouble(&self) {
+        *self.trouble.lock() = None;
     }
 }
 
@@ -335,6 +362,7 @@ impl Inner {
                 .fetch_metadata(Some(&shared.topic), QUERY_TIMEOUT)
             {
                 Ok(md) => {
+                    shared.clear_trouble();
                     let t = md.topics().iter().find(|t| t.name() == shared.topic);
                     match t {
                         Some(t) if t.error().is_none() && !t.partitions().is_empty() => {
@@ -500,19 +528,25 @@ pub(super) fn refresh_loop(weak: Weak<Inner>, stop: Arc<AtomicBool>) {
             continue;
         }
         let timeout = Duration::from_secs(1);
-        if let Ok(wms) = fetch_watermarks(&inner.consumer, &shared.topic, &parts, timeout) {
-            let mut st = shared.state.lock();
-            let State {
-                parts,
-                high_at_start,
-                ..
-            } = &mut *st;
-            for (p, (low, high)) in wms {
-                if let Some(ps) = parts.get_mut(&p) {
-                    ps.low = low;
-                    ps.high = high;
-                    high_at_start.entry(p).or_insert(high);
-                }
+        let wms = match fetch_watermarks(&inner.consumer, &shared.topic, &parts, timeout) {
+            Ok(wms) => wms,
+            Err(e) => {
+                shared.warn_rate_limited("refreshing watermarks", &e);
+                continue;
+            }
+        };
+        shared.clear_trouble();
+        let mut st = shared.state.lock();
+        let State {
+            parts,
+            high_at_start,
+            ..
+        } = &mut *st;
+        for (p, (low, high)) in wms {
+            if let Some(ps) = parts.get_mut(&p) {
+                ps.low = low;
+                ps.high = high;
+                high_at_start.entry(p).or_insert(high);
             }
         }
     }

@@ -22,7 +22,7 @@ impl ClientContext for Ctx {
             | Some(RDKafkaErrorCode::Resolve) => {
                 self.shared.warn_rate_limited(reason, &error);
             }
-            _ => tracing::error!(topic = %self.shared.topic, %error, reason, "librdkafka error"),
+            _ => self.shared.error_rate_limited(reason, &error),
         }
     }
 }
