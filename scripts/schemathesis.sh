@@ -6,7 +6,8 @@
 #
 #   scripts/schemathesis.sh [path/to/kvindex] [max seconds, default 120]
 #
-# Installs schemathesis (a pinned version) if missing. Exits non-zero on any failure.
+# Installs schemathesis (a pinned version) if missing. Exits non-zero on any failure. Check
+# settings (which statuses answer which kind of request) are in scripts/schemathesis.toml.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin="${1:-${CARGO_TARGET_DIR:-$HOME/.cache/kvindex-target}/debug/kvindex}"
@@ -40,7 +41,7 @@ done
 curl -fs "http://127.0.0.1:$port/readyz" >/dev/null || { tail -50 "$work/demo.log" >&2; exit 1; }
 
 run() {
-  st run schemas/openapi.yaml --url "http://127.0.0.1:$port" \
+  st --config-file scripts/schemathesis.toml run schemas/openapi.yaml --url "http://127.0.0.1:$port" \
     --checks all --max-time "$max_time" --workers 2 --no-color 2>&1 | tee "$work/st.log"
   return "${PIPESTATUS[0]}"
 }

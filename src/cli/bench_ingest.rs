@@ -171,13 +171,7 @@ pub fn ingest(args: IngestArgs) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    let tag = format!(
-        "{}_{}",
-        std::process::id(),
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)?
-            .as_millis()
-    );
+    let tag = super::run_tag();
     let stream = format!("KVBENCH_INGEST_{tag}");
     let prefix = format!("kvbench.ingest.{tag}");
     let workload = Workload {

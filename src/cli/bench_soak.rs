@@ -5,11 +5,12 @@
 //!    oldest messages dropped first: the consumer reads near its head), logging warnings and
 //!    errors to `serve.log` in `--data-dir`.
 //! 2. **Probe** the capacity of the whole workload: `kvindex produce` first publishes the
-//!    fleet's events as fast as it can for twice `--probe-seconds` (a backlog, so that the
-//!    server, not the producer, sets the pace); then, for `--probe-seconds`, the server drains
-//!    it while `--connections` client threads post lookups back to back. What it applied and
-//!    answered per second is its capacity on this machine with both loads at once. Then the
-//!    rest of the backlog is drained.
+//!    fleet's events as fast as it can for three times `--probe-seconds` (a backlog, so that
+//!    the server, not the producer, sets the pace); the server drains it, and once the index
+//!    has reached its steady size (the fleet's stores have filled every cache twice over), for
+//!    `--probe-seconds` `--connections` client threads post lookups back to back beside. What
+//!    it applied and answered per second in that window is its capacity on this machine with
+//!    both loads at once. Then the rest of the backlog is drained.
 //! 3. **Soak** for `--seconds`: the producer paced at `--load` × the probed block events per
 //!    second (a new fleet, whose caches evict, so the index reaches a steady size) and lookups
 //!    paced at `--load` × the probed lookup rate, open loop: each request has a scheduled send
@@ -119,13 +120,7 @@ pub fn soak(args: SoakArgs) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    let tag = format!(
-        "{}_{}",
-        std::process::id(),
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)?
-            .as_millis()
-    );
+    let tag = super::run_tag();
     let stream = format!("KVSOAK_{tag}");
     let prefix = format!("kvsoak.{tag}");
     runtime
@@ -162,12 +157,13 @@ fn run(args: &SoakArgs, stream: &str, prefix: &str) -> anyhow::Result<()> {
         .arg(&config)
         .env("KVINDEX_LOG", "warn")
         .stderr(File::create(dir.join("serve.log"))?);
-    // The probe. First a backlog, the producer alone for twice the probe, so that the
-    // server's ingest sets the pace, not the producer's; then the server drains it while the
-    // lookups run flat out beside.
+    // The probe. First a backlog, the producer alone for three times the probe, so that the
+    // server's ingest sets the pace, not the producer's; then the server drains it: once the
+    // index has reached its steady size, the probe's window opens and the lookups run flat out
+    // beside.
     let probe_fleet = fleet_settings(args, 1);
     let bodies = Arc::new(lookup_bodies(&probe_fleet));
-    let backlog_seconds = 2 * args.probe_seconds;
+    let backlog_seconds = 3 * args.probe_seconds;
     let mut producer = spawn_producer(
         args,
         stream,
@@ -180,12 +176,19 @@ fn run(args: &SoakArgs, stream: &str, prefix: &str) -> anyhow::Result<()> {
     wait_exit(&mut producer, "the probe's producer")?;
     let served = Spawned::start(cmd, SPAWN_TIMEOUT)?;
     let mut client = HttpClient::connect(served.http)?;
-    // Token lookups need the model's block size, which its first event gives.
+    // Capacity at the steady size, not that of a young index: the probe's window opens once
+    // the fleet's stores have filled every cache twice over (so evictions run as in the soak),
+    // or when the backlog is gone.
+    let warm_up_events = 2 * (args.engines * args.capacity_blocks) as u64;
     let since = Instant::now();
-    while sample(&mut client, &served, since)?.memberships == 0 {
+    loop {
+        let s = sample(&mut client, &served, since)?;
+        if s.block_ops >= warm_up_events || (s.lag == 0 && s.memberships > 0) {
+            break;
+        }
         anyhow::ensure!(
             since.elapsed() < CATCH_UP_LIMIT,
-            "nothing applied within {CATCH_UP_LIMIT:?}"
+            "the index did not reach its steady size within {CATCH_UP_LIMIT:?}"
         );
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -202,10 +205,11 @@ fn run(args: &SoakArgs, stream: &str, prefix: &str) -> anyhow::Result<()> {
     let ingest_rate =
         (after.block_ops - before.block_ops) as f64 / after.at.as_secs_f64().max(1e-9);
     println!(
-        "probe ({} s, both loads at once; backlog of {backlog_seconds} s of the producer): \
-         {:.1} k block events/s applied (messages still waiting at the end: {}{}), {:.0} \
-         lookups/s (p99 {:.2} ms, {} non-200)",
+        "probe ({} s from {} memberships, both loads at once; backlog of {backlog_seconds} s \
+         of the producer): {:.1} k block events/s applied (messages still waiting at the end: \
+         {}{}), {:.0} lookups/s (p99 {:.2} ms, {} non-200)",
         args.probe_seconds,
+        before.memberships,
         ingest_rate / 1e3,
         after.lag,
         if after.lag > 0 {

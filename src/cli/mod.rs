@@ -38,6 +38,15 @@ pub const SPAWN_TIMEOUT: Duration = Duration::from_secs(600);
 /// How long a bench waits for a spawned `kvindex serve` to stop after SIGTERM.
 pub const STOP_TIMEOUT: Duration = Duration::from_secs(120);
 
+/// A tag unique to this run of a bench (`<pid>_<unix millis>`), for the names of the streams and
+/// subjects it creates on a shared broker, so that runs side by side never meet.
+pub fn run_tag() -> String {
+    let millis = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis());
+    format!("{}_{millis}", std::process::id())
+}
+
 pub mod bench;
 pub mod bench_bridge;
 pub mod bench_build;
