@@ -4,13 +4,13 @@
 //! 1. **Serve** `kvindex serve` on a fresh JetStream stream (capped at `--stream-max-bytes`,
 //!    oldest messages dropped first: the consumer reads near its head), logging warnings and
 //!    errors to `serve.log` in `--data-dir`.
-//! 2. **Probe** the capacity of the whole workload: `kvindex produce` first publishes the
-//!    fleet's events as fast as it can for three times `--probe-seconds` (a backlog, so that
-//!    the server, not the producer, sets the pace); the server drains it, and once the index
-//!    has reached its steady size (the fleet's stores have filled every cache twice over), for
-//!    `--probe-seconds` `--connections` client threads post lookups back to back beside. What
-//!    it applied and answered per second in that window is its capacity on this machine with
-//!    both loads at once. Then the rest of the backlog is drained.
+//! 2. **Probe** the capacity of the whole workload on this machine: `kvindex produce`
+//!    publishes the fleet's events as fast as it can (for three times `--probe-seconds`) while
+//!    the server indexes them; once the index has reached its steady size (the fleet's stores
+//!    have filled every cache twice over), for `--probe-seconds` `--connections` client
+//!    threads post lookups back to back beside. What the server applied and answered per
+//!    second in that window is the capacity of the machine with its load generators on it,
+//!    which share its cores in the soak too. Then the rest is drained.
 //! 3. **Soak** for `--seconds`: the producer paced at `--load` × the probed block events per
 //!    second (a new fleet, whose caches evict, so the index reaches a steady size) and lookups
 //!    paced at `--load` × the probed lookup rate, open loop: each request has a scheduled send
@@ -84,6 +84,9 @@ pub struct SoakArgs {
 const QUERIES: usize = 4096;
 /// How long the backlog of the probe (or the soak's tail) may take to drain.
 const CATCH_UP_LIMIT: Duration = Duration::from_secs(600);
+/// The probe's producer runs this many times `--probe-seconds`: the warm-up and the window
+/// must end before it does.
+const PROBE_PRODUCER_FACTOR: u64 = 3;
 /// Samples without progress, with messages waiting, that count as a stall.
 const STALL_SAMPLES: usize = 3;
 
@@ -157,38 +160,32 @@ fn run(args: &SoakArgs, stream: &str, prefix: &str) -> anyhow::Result<()> {
         .arg(&config)
         .env("KVINDEX_LOG", "warn")
         .stderr(File::create(dir.join("serve.log"))?);
-    // The probe. First a backlog, the producer alone for three times the probe, so that the
-    // server's ingest sets the pace, not the producer's; then the server drains it: once the
-    // index has reached its steady size, the probe's window opens and the lookups run flat out
-    // beside.
+    // The probe: everything the soak runs, at once and unpaced, on the same machine. The
+    // producer publishes as fast as it can while the server indexes; once the index has
+    // reached its steady size, the window opens and the lookups run flat out beside. What was
+    // applied and answered in the window is what this machine sustains with the load
+    // generators on it, as in the soak.
     let probe_fleet = fleet_settings(args, 1);
     let bodies = Arc::new(lookup_bodies(&probe_fleet));
-    let backlog_seconds = 3 * args.probe_seconds;
+    let served = Spawned::start(cmd, SPAWN_TIMEOUT)?;
+    let mut client = HttpClient::connect(served.http)?;
     let mut producer = spawn_producer(
         args,
         stream,
         prefix,
         &probe_fleet,
         None,
-        backlog_seconds,
+        PROBE_PRODUCER_FACTOR * args.probe_seconds,
         "probe",
     )?;
-    wait_exit(&mut producer, "the probe's producer")?;
-    let served = Spawned::start(cmd, SPAWN_TIMEOUT)?;
-    let mut client = HttpClient::connect(served.http)?;
-    // Capacity at the steady size, not that of a young index: the probe's window opens once
-    // the fleet's stores have filled every cache twice over (so evictions run as in the soak),
-    // or when the backlog is gone.
+    // Capacity at the steady size, not that of a young index: the window opens once the
+    // fleet's stores have filled every cache twice over (so evictions run as in the soak).
     let warm_up_events = 2 * (args.engines * args.capacity_blocks) as u64;
     let since = Instant::now();
-    loop {
-        let s = sample(&mut client, &served, since)?;
-        if s.block_ops >= warm_up_events || (s.lag == 0 && s.memberships > 0) {
-            break;
-        }
+    while sample(&mut client, &served, since)?.block_ops < warm_up_events {
         anyhow::ensure!(
-            since.elapsed() < CATCH_UP_LIMIT,
-            "the index did not reach its steady size within {CATCH_UP_LIMIT:?}"
+            producer.try_wait()?.is_none() && since.elapsed() < CATCH_UP_LIMIT,
+            "the index did not reach its steady size while the probe's producer ran"
         );
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -202,48 +199,40 @@ fn run(args: &SoakArgs, stream: &str, prefix: &str) -> anyhow::Result<()> {
         Duration::from_secs(args.probe_seconds),
     )?;
     let after = sample(&mut client, &served, started)?;
+    let producer_ran_through = producer.try_wait()?.is_none();
     let ingest_rate =
         (after.block_ops - before.block_ops) as f64 / after.at.as_secs_f64().max(1e-9);
     println!(
-        "probe ({} s from {} memberships, both loads at once; backlog of {backlog_seconds} s \
-         of the producer): {:.1} k block events/s applied (messages still waiting at the end: \
-         {}{}), {:.0} lookups/s (p99 {:.2} ms, {} non-200)",
+        "probe ({} s from {} memberships, producer, server and lookups at once, unpaced): \
+         {:.1} k block events/s applied (messages waiting: {} at the start, {} at the end: {}), \
+         {:.0} lookups/s (p99 {:.2} ms, {} non-200)",
         args.probe_seconds,
         before.memberships,
         ingest_rate / 1e3,
+        before.lag,
         after.lag,
-        if after.lag > 0 {
-            ""
+        if !producer_ran_through {
+            "the producer stopped inside the window, so the ingest figure is a lower bound"
+        } else if after.lag > before.lag + 1_000 {
+            "the server set the pace"
         } else {
-            "; the backlog ran out first, so the ingest figure is a lower bound"
+            "the producer set the pace"
         },
         lookups.requests_per_s(),
         lookups.p99_us / 1e3,
         lookups.non_200
     );
+    wait_exit(&mut producer, "the probe's producer")?;
     catch_up(&mut client, &served)?;
-    // The producer alone made the whole backlog: its own limit, which may be the lower one.
-    let producer_rate =
-        sample(&mut client, &served, started)?.block_ops as f64 / backlog_seconds as f64;
-    println!(
-        "producer alone: {:.1} k block events/s",
-        producer_rate / 1e3
-    );
 
     // The soak.
-    let block_rate = (ingest_rate.min(producer_rate) * args.load).max(1.0) as u64;
+    let block_rate = (ingest_rate * args.load).max(1.0) as u64;
     let lookup_rate = (lookups.requests_per_s() * args.load).max(1.0);
     println!(
-        "soak: {} s at {:.0}% of the probe: {:.1} k block events/s (of the {}'s limit), \
-         {lookup_rate:.0} lookups/s",
+        "soak: {} s at {:.0}% of the probe: {:.1} k block events/s, {lookup_rate:.0} lookups/s",
         args.seconds,
         args.load * 100.0,
         block_rate as f64 / 1e3,
-        if producer_rate < ingest_rate {
-            "producer"
-        } else {
-            "server"
-        }
     );
     let soak_fleet = fleet_settings(args, 2);
     let bodies = Arc::new(lookup_bodies(&soak_fleet));
