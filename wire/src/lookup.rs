@@ -427,13 +427,19 @@ impl<'de, T: FromJson> Visitor<'de> for ValueVisitor<T> {
         }
     }
     /// A number with a zero fraction (`5.0`, `1e3`) is an integer, as JSON Schema counts it.
+    ///
+    /// An integer literal outside `i64::MIN..=u64::MAX` also arrives here, rounded to the
+    /// nearest float: below −2^63 it rounds to −2^63 itself, above 2^64 − 1 to 2^64 or more.
+    /// Both bounds are therefore exclusive (the literals `-9223372036854775808` and
+    /// `18446744073709551615` arrive as integers, not here); only a float spelling of exactly
+    /// −2^63 is refused with them, as no float tells it apart from its out-of-range neighbours.
     fn visit_f64<E: de::Error>(self, v: f64) -> Result<Seen<T>, E> {
         const MINUS_TWO_POW_63: f64 = -9_223_372_036_854_775_808.0;
         if v.fract() != 0.0 {
             Ok(Seen::Wrong)
         } else if (0.0..TWO_POW_64).contains(&v) {
             self.visit_u64(v as u64)
-        } else if (MINUS_TWO_POW_63..0.0).contains(&v) {
+        } else if v > MINUS_TWO_POW_63 && v < 0.0 {
             self.visit_i64(v as i64)
         } else {
             Ok(Seen::Wrong)
@@ -635,6 +641,24 @@ mod tests {
         assert_eq!((r.mm_inputs[0].offset, r.mm_inputs[0].length), (0, 2));
         let hashes = parse_lookup(br#"{"model":"m","block_hashes":[-61.0]}"#).unwrap();
         assert_eq!(hashes.query, Query::Hashes(vec![EngineHash::from_i64(-61)]));
+        // The ends of the range, as integer literals; past them, whatever float they round to.
+        let ends = parse_lookup(
+            br#"{"model":"m","block_hashes":[-9223372036854775808,18446744073709551615]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            ends.query,
+            Query::Hashes(vec![EngineHash::from_i64(i64::MIN), EngineHash(u64::MAX)])
+        );
+        for outside in [
+            "-9223372036854775809",
+            "-9223372036854775900",
+            "18446744073709551616",
+            "-1e19",
+        ] {
+            let body = format!(r#"{{"model":"m","block_hashes":[{outside}]}}"#);
+            assert!(err(&body).starts_with("block_hashes: "), "{outside}");
+        }
         assert!(err(r#"{"model":"m","token_ids":[1.5]}"#).starts_with("token_ids: "));
         assert!(
             err(r#"{"model":"m","token_ids":[1],"block_size":2.5}"#).starts_with("block_size: ")
