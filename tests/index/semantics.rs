@@ -606,38 +606,52 @@ fn randomized_against_reference_model() {
 }
 
 /// `limit` cuts the full answer, exactly: the best `limit` engines in the full answer's order,
-/// whatever the cut falls on (inside a group of equal matches, across shards).
+/// whatever the cut falls on (inside a group of equal matches, across shards), with the same
+/// tiers per row; also over a fleet large enough for the dense bitsets, with CPU copies.
 #[test]
 fn a_limited_lookup_is_the_full_answer_cut_short() {
     use kvindex::sim::{Fleet, FleetSettings};
-    let mut fleet = Fleet::new(FleetSettings {
+    let small = FleetSettings {
         engines: 40,
         capacity_blocks: 400,
         seed: 3,
         ..FleetSettings::default()
-    });
-    let index = Index::new(IndexSettings { shards: 3, seed: 1 });
-    for _ in 0..600 {
-        for ev in fleet.next_request() {
-            let _ = index.apply(&ev, 0);
+    };
+    let offloading = FleetSettings {
+        engines: 300,
+        capacity_blocks: 300,
+        seed: 5,
+        cpu_offload: true,
+        ..FleetSettings::default()
+    };
+    for (settings, shards, requests, wide) in [(small, 3, 600, 8), (offloading, 2, 3000, 40)] {
+        let mut fleet = Fleet::new(settings.clone());
+        let index = Index::new(IndexSettings { shards, seed: 1 });
+        for _ in 0..requests {
+            for ev in fleet.next_request() {
+                let _ = index.apply(&ev, 0);
+            }
         }
-    }
-    let mut widest = 0;
-    for _ in 0..60 {
-        let (p, token_ids) = fleet.sample_query();
-        let blocks = QueryBlocks::Tokens {
-            token_ids,
-            block_size: FleetSettings::default().block_size,
-            extras: Vec::new(),
-        };
-        let full = index.lookup(&p, &blocks).1.to_vec();
-        widest = widest.max(full.len());
-        for limit in [1, 2, 3, 5, 8, 13, 40, 1000] {
-            let cut = index.lookup_limited(&p, &blocks, limit).1.to_vec();
-            assert_eq!(cut, full[..full.len().min(limit)], "limit {limit}");
+        let mut widest = 0;
+        for _ in 0..60 {
+            let (p, token_ids) = fleet.sample_query();
+            let blocks = QueryBlocks::Tokens {
+                token_ids,
+                block_size: settings.block_size,
+                extras: Vec::new(),
+            };
+            let full = index.lookup(&p, &blocks).1.to_vec();
+            widest = widest.max(full.len());
+            for limit in [1, 2, 3, 5, 8, 13, 40, 1000] {
+                let cut = index.lookup_limited(&p, &blocks, limit).1.to_vec();
+                assert_eq!(cut, full[..full.len().min(limit)], "limit {limit}");
+            }
         }
+        assert!(
+            widest > wide,
+            "answers too narrow to test the cut: {widest}"
+        );
     }
-    assert!(widest > 8, "answers too narrow to test the cut: {widest}");
 }
 
 #[test]

@@ -3,7 +3,8 @@
 //! its run ends, with how its matched blocks sit on its tiers ([`TierMix`]).
 //!
 //! Tier sets are counted only for blocks an engine holds somewhere other than on GPU alone: the
-//! usual all-GPU walk pays one extra AND per word and nothing per engine.
+//! usual all-GPU walk keeps one bitset per block and pays nothing per engine. A lookup cut to
+//! the best few rows pushes only the rows that can make the cut (see [`Rows::push_group`]).
 
 use super::lookup_l2::L2Prefetch;
 use super::{PREFETCH_AHEAD, RawMatch, Shard};
@@ -30,25 +31,41 @@ const GPU_ONLY: TierSet = TierSet::of(Tier::Gpu);
 /// Scratch bitsets of one query block, over the engines still matching: which hold it, and
 /// which of those on GPU and on CPU (for the fastest tier of a run's last block). Reused per
 /// thread so a lookup allocates nothing but its answer.
+///
+/// While every engine set holds the block on GPU alone (`gpu_only`, the usual deployment),
+/// `gpu` and `cpu` are not kept (they would equal `held` and zero): a block of such holders
+/// costs one AND and one store per word.
 #[derive(Default)]
 struct Bits {
     held: Vec<u64>,
     gpu: Vec<u64>,
     cpu: Vec<u64>,
+    gpu_only: bool,
 }
 
 impl Bits {
     fn reset(&mut self, words: usize) {
-        for v in [&mut self.held, &mut self.gpu, &mut self.cpu] {
-            v.clear();
-            v.resize(words, 0);
+        self.held.clear();
+        self.held.resize(words, 0);
+        self.gpu_only = true;
+    }
+
+    /// Starts keeping `gpu` and `cpu` (until now implied by `held`).
+    #[cold]
+    fn keep_tiers(&mut self) {
+        if self.gpu_only {
+            self.gpu.clear();
+            self.gpu.extend_from_slice(&self.held);
+            self.cpu.clear();
+            self.cpu.resize(self.held.len(), 0);
+            self.gpu_only = false;
         }
     }
 
     /// The fastest tier engine bit `bit` of word `w` holds the block on.
     #[inline]
     fn tier_at(&self, w: usize, bit: u64) -> Tier {
-        if self.gpu[w] & bit != 0 {
+        if self.gpu_only || self.gpu[w] & bit != 0 {
             Tier::Gpu
         } else if self.cpu[w] & bit != 0 {
             Tier::Cpu
@@ -70,34 +87,68 @@ impl Bits {
         false
     }
 
+    fn count(&self) -> usize {
+        self.held.iter().map(|w| w.count_ones() as usize).sum()
+    }
+
     /// Marks engine `e` as holding the block on `tiers`, counting the tiers into `mix`.
     #[inline]
     fn mark(&mut self, e: usize, tiers: TierSet, mix: &mut [TierMix]) {
         let (w, bit) = (e / 64, 1u64 << (e % 64));
+        if tiers == GPU_ONLY {
+            self.held[w] |= bit;
+            if !self.gpu_only {
+                self.gpu[w] |= bit;
+            }
+            return;
+        }
+        self.keep_tiers();
         self.held[w] |= bit;
         if tiers.contains(Tier::Gpu) {
             self.gpu[w] |= bit;
         }
-        if tiers != GPU_ONLY {
-            if tiers.contains(Tier::Cpu) {
-                self.cpu[w] |= bit;
-            }
-            mix[e].by_set[tiers.bits() as usize] += 1;
+        if tiers.contains(Tier::Cpu) {
+            self.cpu[w] |= bit;
         }
+        mix[e].by_set[tiers.bits() as usize] += 1;
     }
 
-    /// Word `w` of `d`, restricted to the engines of `keep`: held, GPU and CPU bits, then
-    /// counts the tier sets of the engines not on GPU alone into `mix`.
+    /// `self = keep ∩ d` (`keep`: every engine if `None`) with the tiers of `d`, counting the
+    /// tier sets of the engines not on GPU alone into `mix`. `self` must be freshly reset.
+    /// Whether any engine is set.
     #[inline]
-    fn take_word(&mut self, w: usize, keep: u64, d: &DenseBits, mix: &mut [TierMix]) -> u64 {
-        let held = keep & d.held()[w];
+    fn take_dense(&mut self, keep: Option<&[u64]>, d: &DenseBits, mix: &mut [TierMix]) -> bool {
+        let n = d.words().min(self.held.len());
+        let (held, src) = (&mut self.held[..n], &d.held()[..n]);
+        let mut any = 0u64;
         if !d.mixed() {
-            // Every holder on GPU alone: nothing to count, one word to read.
-            self.held[w] = held;
-            self.gpu[w] = held;
-            self.cpu[w] = 0;
-            return held;
+            // Every holder on GPU alone: one word to read, nothing to count.
+            match keep {
+                Some(keep) => {
+                    for ((h, &s), &k) in held.iter_mut().zip(src).zip(&keep[..n]) {
+                        *h = s & k;
+                        any |= *h;
+                    }
+                }
+                None => {
+                    held.copy_from_slice(src);
+                    any = src.iter().fold(0, |a, &s| a | s);
+                }
+            }
+            return any != 0;
         }
+        self.keep_tiers();
+        for w in 0..n {
+            any |= self.take_mixed_word(w, keep.map_or(u64::MAX, |k| k[w]), d, mix);
+        }
+        any != 0
+    }
+
+    /// Word `w` of a block whose holders are not all on GPU alone, restricted to `keep`: held,
+    /// GPU and CPU bits, then the tier sets of the engines not on GPU alone counted into `mix`.
+    #[inline]
+    fn take_mixed_word(&mut self, w: usize, keep: u64, d: &DenseBits, mix: &mut [TierMix]) -> u64 {
+        let held = keep & d.held()[w];
         let gpu = held & d.on(Tier::Gpu)[w];
         let cpu = held & d.on(Tier::Cpu)[w];
         let disk = held & d.on(Tier::Disk)[w];
@@ -121,9 +172,7 @@ impl Bits {
         }
         match dense {
             Some(d) => {
-                for w in 0..d.words().min(self.held.len()) {
-                    self.take_word(w, u64::MAX, d, mix);
-                }
+                self.take_dense(None, d, mix);
             }
             None => {
                 for h in holders.as_slice() {
@@ -133,7 +182,7 @@ impl Bits {
         }
     }
 
-    /// `self = active ∩ holders`, with the tiers of `holders`. `self` must be zeroed.
+    /// `self = active ∩ holders`, with the tiers of `holders`. `self` must be freshly reset.
     #[inline]
     fn intersect(
         &mut self,
@@ -142,14 +191,10 @@ impl Bits {
         dense: Option<&DenseBits>,
         mix: &mut [TierMix],
     ) -> bool {
-        let mut any = 0u64;
         match dense {
-            Some(d) => {
-                for w in 0..d.words().min(self.held.len()) {
-                    any |= self.take_word(w, active.held[w], d, mix);
-                }
-            }
+            Some(d) => self.take_dense(Some(&active.held), d, mix),
             None => {
+                let mut any = 0u64;
                 for h in holders.as_slice() {
                     let e = h.engine() as usize;
                     let bit = 1u64 << (e % 64);
@@ -158,9 +203,9 @@ impl Bits {
                         any |= bit;
                     }
                 }
+                any != 0
             }
         }
-        any != 0
     }
 }
 
@@ -170,35 +215,79 @@ struct Scratch {
     next: Bits,
     /// Per engine: the tier sets of its matched blocks so far (valid for engines of block 0).
     mix: Vec<TierMix>,
+    /// [`Rows::push_group`]'s candidates, `rank << 32 | engine`.
+    picked: Vec<u64>,
 }
 
 thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
 }
 
-/// Pushes a row for every engine set in `held` (and not in `keep`, if given).
-#[inline]
-fn emit(
-    active: &Bits,
-    keep: Option<&Bits>,
-    matched: u32,
-    mix: &[TierMix],
-    out: &mut Vec<RawMatch>,
-) {
-    for w in 0..active.held.len() {
-        let mut dropped = active.held[w] & !keep.map_or(0, |k| k.held[w]);
-        while dropped != 0 {
-            let b = dropped.trailing_zeros();
-            let bit = 1u64 << b;
-            let engine = (w * 64) as u32 + b;
-            out.push(RawMatch {
-                engine,
-                matched,
-                tier: active.tier_at(w, bit),
-                mix: mix[engine as usize],
-            });
-            dropped &= dropped - 1;
+/// Where a walk's rows go, and how many can make the answer.
+struct Rows<'a> {
+    out: &'a mut Vec<RawMatch>,
+    /// The answer's length (`usize::MAX`: every row).
+    limit: usize,
+    /// The shard's name rank per engine (the order within a group of equal `matched`).
+    rank: &'a [u32],
+    picked: &'a mut Vec<u64>,
+}
+
+impl Rows<'_> {
+    /// Pushes a row matching `matched` blocks for every engine set in `active` and not in
+    /// `keep`, the engines that go on matching. Each of those beats every row pushed here, so
+    /// when fewer places of the `limit` are left after them than there are rows, only the
+    /// rows first by name rank are pushed: the rest cannot make the answer. (A prefix the
+    /// whole fleet holds then costs a selection over packed integers, not a row per engine
+    /// to order afterwards.)
+    #[inline]
+    fn push_group(&mut self, active: &Bits, keep: Option<&Bits>, matched: u32, mix: &[TierMix]) {
+        let dropped = |w: usize| active.held[w] & !keep.map_or(0, |k| k.held[w]);
+        if self.limit != usize::MAX {
+            let room = self.limit.saturating_sub(keep.map_or(0, Bits::count));
+            let rows: usize = (0..active.held.len())
+                .map(|w| dropped(w).count_ones() as usize)
+                .sum();
+            if rows > room {
+                self.picked.clear();
+                for w in 0..active.held.len() {
+                    let mut bits = dropped(w);
+                    while bits != 0 {
+                        let engine = (w * 64) as u32 + bits.trailing_zeros();
+                        let rank = u64::from(self.rank[engine as usize]);
+                        self.picked.push(rank << 32 | u64::from(engine));
+                        bits &= bits - 1;
+                    }
+                }
+                if room > 0 {
+                    self.picked.select_nth_unstable(room - 1);
+                }
+                for i in 0..room {
+                    let engine = self.picked[i] as u32;
+                    self.push(active, engine, matched, mix);
+                }
+                return;
+            }
         }
+        for w in 0..active.held.len() {
+            let mut bits = dropped(w);
+            while bits != 0 {
+                let engine = (w * 64) as u32 + bits.trailing_zeros();
+                self.push(active, engine, matched, mix);
+                bits &= bits - 1;
+            }
+        }
+    }
+
+    #[inline]
+    fn push(&mut self, active: &Bits, engine: u32, matched: u32, mix: &[TierMix]) {
+        let e = engine as usize;
+        self.out.push(RawMatch {
+            engine,
+            matched,
+            tier: active.tier_at(e / 64, 1u64 << (e % 64)),
+            mix: mix[e],
+        });
     }
 }
 
@@ -308,7 +397,18 @@ impl Shard {
         let words = self.engines.len().div_ceil(64).max(1);
         SCRATCH.with(|cell| {
             let mut guard = cell.borrow_mut();
-            let Scratch { active, next, mix } = &mut *guard;
+            let Scratch {
+                active,
+                next,
+                mix,
+                picked,
+            } = &mut *guard;
+            let mut rows = Rows {
+                out,
+                limit,
+                rank: &self.name_rank,
+                picked,
+            };
             for &key in keys.iter().skip(1).take(PREFETCH_AHEAD) {
                 self.table.prefetch(key);
             }
@@ -322,20 +422,20 @@ impl Shard {
                     self.table.prefetch(ahead);
                 }
                 let Some(h) = self.resolve(*key, now, &mut spare, l2) else {
-                    emit(active, None, i as u32, mix, out);
+                    rows.push_group(active, None, i as u32, mix);
                     return;
                 };
                 next.reset(words);
                 let any = next.intersect(active, h, self.dense_of(*key, h), mix);
                 if limit == usize::MAX || !next.holds_at_least(limit) {
-                    emit(active, Some(next), i as u32, mix, out);
+                    rows.push_group(active, Some(next), i as u32, mix);
                 }
                 if !any {
                     return;
                 }
                 std::mem::swap(active, next);
             }
-            emit(active, None, keys.len() as u32, mix, out);
+            rows.push_group(active, None, keys.len() as u32, mix);
         });
     }
 
