@@ -50,8 +50,8 @@ impl Bits {
         self.gpu_only = true;
     }
 
-    /// Starts keeping `gpu` and `cpu` (until now implied by `held`).
-    #[cold]
+    /// Starts keeping `gpu` and `cpu` (until now implied by `held`), if not yet kept.
+    #[inline]
     fn keep_tiers(&mut self) {
         if self.gpu_only {
             self.gpu.clear();
