@@ -4,6 +4,7 @@ from `/v1/stats`.
 
   scripts/bench_ingest.py --bin BIN --source kafka --requests 20000
   scripts/bench_ingest.py --bin BIN --source nats  --requests 20000
+  scripts/bench_ingest.py --bin BIN --source kafka --kafka-property fetch.wait.max.ms=500
 
 kafka: `kvindex serve` runs its embedded broker (the librdkafka mock cluster, a real Kafka
 protocol broker on loopback); the producer connects to the bootstrap address it prints.
@@ -13,13 +14,17 @@ The durable path is the real one: every shard commits index rows and offsets to 
 every 100 ms (the default `checkpoint.interval_ms`). The script samples `/v1/stats` every
 0.25 s and reports block events applied per second (`events.block_ops`: memberships added or
 removed) over the whole run, from the first applied event until every partition has caught
-up, and the best 2-second window. Run with a release binary.
+up, and the best 2-second window. It also reports the CPU time each side spent (the server's
+from /proc, the producer's from its rusage) per block event: on a machine whose cores the
+producer and the server share, that is the figure that compares two servers. Run with a
+release binary.
 """
 
 import argparse
 import json
 import os
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -66,6 +71,13 @@ def start_serve(args, data, config):
     return proc, bootstrap, http
 
 
+def cpu_seconds(pid):
+    """User + system CPU time of a running process, from /proc/<pid>/stat."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def delete_stream(url, stream):
     """Deletes a JetStream stream with the raw NATS protocol (no client library needed)."""
     import socket
@@ -90,6 +102,8 @@ def main():
     ap.add_argument("--engines", type=int, default=32)
     ap.add_argument("--nats-url", default="nats://127.0.0.1:4222")
     ap.add_argument("--format", default="proto")
+    ap.add_argument("--kafka-property", action="append", default=[], metavar="KEY=VALUE",
+                    help="a librdkafka property for the server's consumer (repeatable)")
     args = ap.parse_args()
 
     tmp = tempfile.mkdtemp(prefix="kvindex-bench-")
@@ -104,6 +118,13 @@ def main():
                 f'[source]\nkind = "nats"\n[source.nats]\nurl = "{args.nats_url}"\n'
                 f'stream = "{stream}"\nsubjects = ["{prefix}.>"]\ndurable = "kvindex"\n'
             )
+    if args.source == "kafka" and args.kafka_property:
+        config = os.path.join(tmp, "kvindex.toml")
+        with open(config, "w") as f:
+            f.write("[source.kafka.properties]\n")
+            for prop in args.kafka_property:
+                key, value = prop.split("=", 1)
+                f.write(f'"{key}" = "{value}"\n')
     serve, bootstrap, http = start_serve(args, data, config)
     produce = [args.bin, "produce", "--requests", str(args.requests), "--engines", str(args.engines),
                "--format", args.format]
@@ -112,6 +133,8 @@ def main():
     else:
         produce += ["--nats", args.nats_url, "--stream", stream, "--subject-prefix", prefix]
     t0 = time.time()
+    serve_cpu0 = cpu_seconds(serve.pid)
+    children0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     producer = subprocess.Popen(produce, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     samples = []
     produced_at = None
@@ -130,6 +153,9 @@ def main():
     finally:
         out = producer.communicate()[0] if producer.poll() is not None else ""
     final = stats(http)
+    serve_cpu = cpu_seconds(serve.pid) - serve_cpu0
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    producer_cpu = (children.ru_utime + children.ru_stime) - (children0.ru_utime + children0.ru_stime)
     serve.terminate()
     serve.wait(timeout=60)
     shutil.rmtree(tmp, ignore_errors=True)
@@ -145,7 +171,8 @@ def main():
             if samples[j][0] - samples[i][0] >= 2.0:
                 best = max(best, (samples[j][1] - samples[i][1]) / (samples[j][0] - samples[i][0]))
                 break
-    print(f"source={args.source} requests={args.requests} engines={args.engines} format={args.format}")
+    print(f"source={args.source} requests={args.requests} engines={args.engines} format={args.format}"
+          + "".join(f" {p}" for p in args.kafka_property))
     summary = [l for l in out.splitlines() if l.startswith('produced')]
     print(f"producer: {summary[-1] if summary else '(no summary)'}")
     print(f"applied: {final['events']['applied_total']} events, {ops} block events, "
@@ -154,6 +181,8 @@ def main():
           f"malformed: {final['events']['malformed']}")
     print(f"block events/s, first applied -> caught up ({t_last - t_first:.1f} s): {ops / (t_last - t_first):,.0f}")
     print(f"block events/s, best 2 s window: {best:,.0f}")
+    print(f"CPU: server {serve_cpu:.2f} s ({serve_cpu / ops * 1e6:.3f} us per block event), "
+          f"producer {producer_cpu:.2f} s")
 
 
 if __name__ == "__main__":
