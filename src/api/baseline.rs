@@ -12,6 +12,7 @@ use axum::extract::{Query, State};
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
+use std::sync::Arc;
 
 /// Shortest body the route answers: `{"pad":""}`.
 const MIN_BYTES: usize = 10;
@@ -26,7 +27,7 @@ pub struct BaselineParams {
 }
 
 pub async fn static_answer(
-    State(state): State<AppState>,
+    State(state): State<Arc<AppState>>,
     Query(params): Query<BaselineParams>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {

@@ -7,6 +7,7 @@ use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
+use std::sync::Arc;
 use std::sync::atomic::Ordering::Acquire;
 
 /// Content type of the Prometheus text format 0.0.4.
@@ -20,7 +21,7 @@ pub async fn healthz() -> Json<Value> {
 /// 200 `{"ready": true}` once `state.ready` is set (sources caught up, every shard loaded);
 /// before that 503 with a `reason`, the `warm_up` while shards load, and, when there is a
 /// source, its `lag`.
-pub async fn readyz(State(state): State<AppState>) -> Response {
+pub async fn readyz(State(state): State<Arc<AppState>>) -> Response {
     if state.ready.load(Acquire) {
         return Json(json!({ "ready": true })).into_response();
     }
@@ -37,7 +38,7 @@ pub async fn readyz(State(state): State<AppState>) -> Response {
     (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response()
 }
 
-pub async fn metrics(State(state): State<AppState>) -> Response {
+pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     let mut text = state.metrics.render(&state.index.stats());
     if let Some(spill) = &state.spill {
         spill.stats().render_prometheus(&mut text);

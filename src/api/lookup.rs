@@ -20,11 +20,12 @@ use axum::extract::State;
 use axum::extract::rejection::BytesRejection;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
+use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Instant;
 
 pub async fn lookup(
-    State(state): State<AppState>,
+    State(state): State<Arc<AppState>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     // Read before the index: a floor of what the answer reflects (see `applied.rs`).

@@ -25,6 +25,7 @@ use axum::extract::rejection::BytesRejection;
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use serde_json::value::RawValue;
+use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 
 /// Most queries one batch may hold.
@@ -37,7 +38,7 @@ struct Batch<'a> {
 }
 
 pub async fn lookup_batch(
-    State(state): State<AppState>,
+    State(state): State<Arc<AppState>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let applied = state.applied();

@@ -61,7 +61,8 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("GET", "/metrics"),
 ];
 
-/// What every handler shares. Cheap to clone.
+/// What every handler shares. The router holds it behind one `Arc`, so a request clones a
+/// pointer, not the dozen handles inside.
 #[derive(Clone)]
 pub struct AppState {
     pub index: Arc<Index>,
@@ -196,12 +197,12 @@ pub fn router(state: AppState) -> Router {
 /// [`router`] with `extra` routes served as reads (behind the same guards), for tests of the
 /// guards with handlers of their own (a deliberately slow one).
 #[cfg(any(test, feature = "testing"))]
-pub fn router_with_reads(state: AppState, extra: Router<AppState>) -> Router {
+pub fn router_with_reads(state: AppState, extra: Router<Arc<AppState>>) -> Router {
     assemble(state, read_routes().merge(extra))
 }
 
 /// The routes that only read: open unless `http.auth_reads`.
-fn read_routes() -> Router<AppState> {
+fn read_routes() -> Router<Arc<AppState>> {
     Router::new()
         .route("/v1/lookup", post(lookup::lookup))
         .route("/v1/lookup/batch", post(lookup_batch::lookup_batch))
@@ -210,7 +211,7 @@ fn read_routes() -> Router<AppState> {
         .route("/metrics", get(health::metrics))
 }
 
-fn assemble(state: AppState, reads: Router<AppState>) -> Router {
+fn assemble(state: AppState, reads: Router<Arc<AppState>>) -> Router {
     let body_limit = state.max_body_bytes;
     let policy = state.auth.clone();
     // One gate for all capped routes; `route_layer` wraps inside out, so the token check runs
@@ -237,7 +238,7 @@ fn assemble(state: AppState, reads: Router<AppState>) -> Router {
             limits::deadline,
         ))
         .layer(middleware::from_fn(trace))
-        .with_state(state)
+        .with_state(Arc::new(state))
 }
 
 /// Serves the API over plain HTTP on `listener` until `shutdown` completes, then drains

@@ -16,6 +16,7 @@ use axum::extract::{Path, Query, State};
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize, Serializer};
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 
 #[derive(Serialize)]
@@ -138,7 +139,7 @@ impl PageQuery {
 /// Bodies borrow from locals, so they are serialized here (`Json::into_response` serializes
 /// eagerly) rather than returned as `Json<T>`.
 pub async fn engines(
-    State(state): State<AppState>,
+    State(state): State<Arc<AppState>>,
     query: Result<Query<PageQuery>, QueryRejection>,
 ) -> Response {
     let page = match query
@@ -192,7 +193,7 @@ pub async fn engines(
 
 /// `DELETE /v1/engines/{id}`: drops the engine from every partition, durably (committed
 /// before the answer), on an operator's word; it comes back with its next event.
-pub async fn forget_engine(State(state): State<AppState>, Path(id): Path<String>) -> Response {
+pub async fn forget_engine(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
     let Some(pipeline) = state.pipeline.clone() else {
         return ApiError::Unavailable("this server has no index to change".into()).into_response();
     };
@@ -269,7 +270,7 @@ struct StatsResponse<'a> {
     warm_up: Option<WarmUpReport>,
 }
 
-pub async fn stats(State(state): State<AppState>) -> Response {
+pub async fn stats(State(state): State<Arc<AppState>>) -> Response {
     let s = state.index.stats();
     let m = &state.metrics;
     let body = StatsResponse {

@@ -14,7 +14,8 @@
 //!    seconds, `--pairs` times. With `--baseline`, each phase is followed by one against the
 //!    same server's fixed-answer route of the answers' mean size (`api/baseline.rs`), so the
 //!    lookups' rate reads as a share of the HTTP stack's own. Printed: rates, latency
-//!    percentiles, non-200 answers, the server's CPU per lookup, how many lookups went to L2
+//!    percentiles, non-200 answers, the server's CPU per lookup (and per static answer, which
+//!    the load generator's share of the cores does not skew), how many lookups went to L2
 //!    (from `/v1/stats`), and the server's resident set against its budget.
 
 use super::bench_build;
@@ -239,6 +240,8 @@ pub fn http(args: HttpArgs) -> anyhow::Result<()> {
     }
     let start = get_stats(served.http)?;
     let (mut cpu, mut answered, mut lookup_time) = (Duration::ZERO, 0u64, Duration::ZERO);
+    // The same for the baseline's phases: its requests and the server's CPU over them.
+    let (mut static_cpu, mut static_answered) = (Duration::ZERO, 0u64);
     let (mut ratios, mut p99s) = (Vec::new(), Vec::new());
     for pair in 1..=args.pairs.max(1) {
         let cpu_start = served.cpu_time();
@@ -251,7 +254,12 @@ pub fn http(args: HttpArgs) -> anyhow::Result<()> {
         p99s.push(lookups.p99_us);
         print_phase(&format!("[{pair}] lookups"), &lookups, args.batch);
         if args.baseline {
+            let cpu_start = served.cpu_time();
             let baseline = run(&static_path, args.seconds)?;
+            if let (Some(a), Some(b)) = (cpu_start, served.cpu_time()) {
+                static_cpu += b.saturating_sub(a);
+            }
+            static_answered += baseline.answered;
             print_phase(&format!("[{pair}] baseline"), &baseline, 1);
             let ratio = lookups.requests_per_s() / baseline.requests_per_s().max(1e-9);
             println!("[{pair}] lookups / baseline = {ratio:.2}×");
@@ -286,6 +294,15 @@ pub fn http(args: HttpArgs) -> anyhow::Result<()> {
             cpu.as_secs_f64() * 1e6 / answered.max(1) as f64,
             cpu.as_secs_f64() / lookup_time.as_secs_f64().max(1e-9),
         );
+        if args.baseline {
+            let per_static = static_cpu.as_secs_f64() * 1e6 / static_answered.max(1) as f64;
+            let per_request =
+                cpu.as_secs_f64() * 1e6 / (answered / args.batch as u64).max(1) as f64;
+            println!(
+                "server CPU: {per_static:.1} µs per static answer; a lookup request costs {:.2}× one",
+                per_request / per_static.max(1e-9),
+            );
+        }
     }
     println!(
         "L2 during the run: {} point reads ({:.1} per lookup), {} found, {} restored to L1; \

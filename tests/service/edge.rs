@@ -407,7 +407,7 @@ async fn tls_round_trip_with_a_certificate_made_here() {
 
 // ---- Deadline and concurrency cap ----
 
-fn limited(limits: Limits, extra: Router<AppState>) -> Router {
+fn limited(limits: Limits, extra: Router<Arc<AppState>>) -> Router {
     let mut s = state(AuthPolicy::default());
     s.limits = limits;
     api::router_with_reads(s, extra)
