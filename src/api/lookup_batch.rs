@@ -10,7 +10,8 @@
 //!
 //! The body is read once: the queries' bounds are found by counting brackets (a batch's
 //! token ids are passed over a word at a time), and each query is parsed by the lookup
-//! parser; serde reads the body only when that fails, to word the error (see [`parse`]).
+//! parser; serde reads the body whole only when a query is not JSON, to word the error (see
+//! [`parse`]).
 //! Queries are answered inline while every L2 read they need is served from memory, as a
 //! single lookup is; those that would wait on storage are answered together on the blocking
 //! pool.
@@ -109,12 +110,17 @@ fn parse(state: &AppState, body: &[u8]) -> Result<Vec<Result<Prepared, ApiError>
         ))
     };
     // The usual batch in one pass: its queries found by bracket matching, each read once by
-    // the lookup parser. Any query that fails sends the whole body through serde below, which
-    // alone tells a body that is not JSON (a 400 for the batch) from a query that is not a
-    // valid lookup (a 400 for that query).
+    // the lookup parser. A query that failed is that query's 400 if it is JSON (then every
+    // query is, the split is serde's, and serde's path would answer the same), else the
+    // batch's, which serde's path below words.
     if let Some(queries) = split_queries(body) {
         let prepared: Vec<_> = queries.iter().map(|q| prepare_query(state, q)).collect();
-        if prepared.iter().all(Result::is_ok) {
+        let is_json = |q: &[u8]| serde_json::from_slice::<serde::de::IgnoredAny>(q).is_ok();
+        if prepared
+            .iter()
+            .zip(&queries)
+            .all(|(p, q)| p.is_ok() || is_json(q))
+        {
             return Ok(prepared);
         }
     }
@@ -142,9 +148,9 @@ fn parse(state: &AppState, body: &[u8]) -> Result<Vec<Result<Prepared, ApiError>
 /// query that is not an object, more than [`MAX_BATCH_QUERIES`] queries, unbalanced
 /// brackets), which serde then reads and words.
 ///
-/// Only the split is trusted here, not the JSON inside a query: each query is then parsed on
-/// its own, and once every one of them parsed, each is valid JSON, so its closing bracket is
-/// the one counted here and the queries are exactly those serde would have given.
+/// Only the split is trusted here, not the JSON inside a query: each query is then read on
+/// its own, and once every one of them is known to be valid JSON, its closing bracket is the
+/// one counted here and the queries are exactly those serde would have given.
 fn split_queries(body: &[u8]) -> Option<Vec<&[u8]>> {
     let skip_ws = |mut i: usize| {
         while let Some(b' ' | b'\t' | b'\n' | b'\r') = body.get(i) {
@@ -264,22 +270,14 @@ fn render(answers: &[Result<Answered, ApiError>], applied: Option<&Applied>) -> 
 mod tests {
     use super::*;
 
-    /// A small xorshift generator.
-    struct Rng(u64);
-    impl Rng {
-        fn below(&mut self, n: u64) -> u64 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            self.0 % n
-        }
-        fn pick<'a>(&mut self, from: &[&'a str]) -> &'a str {
-            from[self.below(from.len() as u64) as usize]
-        }
+    use crate::sim::Rng;
+
+    fn pick<'a>(rng: &mut Rng, from: &[&'a str]) -> &'a str {
+        from[rng.below(from.len())]
     }
 
     fn ws(rng: &mut Rng) -> &'static str {
-        rng.pick(&["", "", "", " ", "\n  ", "\t", "\r\n"])
+        pick(rng, &["", "", "", " ", "\n  ", "\t", "\r\n"])
     }
 
     /// A query object whose strings hold brackets, quotes and escapes, with nested arrays and
@@ -296,18 +294,18 @@ mod tests {
         let mut members = Vec::new();
         for _ in 0..rng.below(4) {
             let value = match rng.below(4) {
-                0 => rng.pick(&strings).to_owned(),
+                0 => pick(rng, &strings).to_owned(),
                 1 => {
                     let n = rng.below(40);
                     let ids: Vec<String> = (0..n).map(|_| rng.below(200_000).to_string()).collect();
-                    format!("[{}]", ids.join(rng.pick(&[",", ", ", " , "])))
+                    format!("[{}]", ids.join(pick(rng, &[",", ", ", " , "])))
                 }
-                2 => format!("[[{}],{{\"x\":[]}}]", rng.pick(&strings)),
-                _ => rng.pick(&["null", "16", "true", "{}"]).to_owned(),
+                2 => format!("[[{}],{{\"x\":[]}}]", pick(rng, &strings)),
+                _ => pick(rng, &["null", "16", "true", "{}"]).to_owned(),
             };
             members.push(format!(
                 "{}{}:{}{}",
-                rng.pick(&strings),
+                pick(rng, &strings),
                 ws(rng),
                 ws(rng),
                 value
@@ -348,17 +346,17 @@ mod tests {
 
     #[test]
     fn the_split_is_serdes_wherever_the_queries_are_json() {
-        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+        let mut rng = Rng::new(0x9e37_79b9_7f4a_7c15);
         let mut split_count = 0;
         for round in 0..20_000 {
             let mut body = batch(&mut rng).into_bytes();
             let whole = round % 2 == 0;
             if !whole {
                 // Truncated, or one byte replaced by a JSON-significant one.
-                let at = rng.below(body.len() as u64) as usize;
+                let at = rng.below(body.len());
                 match rng.below(2) {
                     0 => body.truncate(at),
-                    _ => body[at] = *b"{}[],:\"\\ 0x".get(rng.below(11) as usize).unwrap(),
+                    _ => body[at] = *b"{}[],:\"\\ 0x".get(rng.below(11)).unwrap(),
                 }
             }
             let serde = by_serde(&body);

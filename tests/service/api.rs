@@ -507,6 +507,9 @@ async fn a_batch_answers_each_query_as_a_lookup_alone_would() {
         r#"{"queries": 5}"#,
         r#"{"model": "llama", "token_ids": [1]}"#,
         r#"[{"model": "llama", "token_ids": [1]}]"#,
+        // Laid out as a batch, but a query is not JSON: the batch's 400, not the query's.
+        r#"{"queries": [{"model": "llama", "token_ids": [1]}, {"model": llama}]}"#,
+        r#"{"queries": [{"model": "llama", "token_ids": [1,]}]}"#,
     ] {
         let (status, v) = call_json(&app, "POST", "/v1/lookup/batch", Some(bad)).await;
         assert_eq!(status, StatusCode::BAD_REQUEST, "{bad}: {v}");
